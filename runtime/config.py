@@ -1,0 +1,69 @@
+"""The engine's configuration: what the user chose. Values found at run time live in EngineState."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeserve.scheduler import SchedulerConfig
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    model: str | None = None
+    """Hugging Face folder or .gguf file; None = the embedded SmolLM2-135M-Instruct GGUF."""
+    dtype: str = "auto"
+    """float32, bfloat16 or float16; auto = bfloat16 on CUDA, float32 on CPU."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N; auto = cuda when available."""
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    num_kv_blocks: int | None = None
+    """KV blocks in the pool; None = sized from memory (kv_cache_memory_gb on CPU)."""
+    kv_cache_memory_gb: float = 1.0
+    """CPU only: memory given to the KV pool when num_kv_blocks is None."""
+    gpu_memory_utilization: float = 0.90
+    """CUDA only: fraction of the card the process may use (weights + activations + KV)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; None = the model's context length."""
+    seed: int = 0
+    """Seed of the global generator (requests without their own seed draw from it)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError("kv_cache_memory_gb must be > 0")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        try:
+            return torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"bad device {self.device!r}: {e}") from None
+
+    def torch_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

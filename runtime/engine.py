@@ -1,0 +1,284 @@
+"""The engine loop, one process: schedule → run → update → postprocess.
+
+The scheduler owns token accounting and KV blocks; the model runner owns tensors; this file
+owns what a request is to the user: its sampling state, its text, its stop conditions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeserve.runtime.batch import StepInputs
+from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from pipeserve.runtime.loader import load_model
+from pipeserve.runtime.model_runner import ModelRunner
+from pipeserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pipeserve.runtime.sampler import make_generator
+from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.runtime.stop import check_stop
+from pipeserve.runtime.tokenizer import IncrementalDetokenizer
+from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+
+_FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the engine keeps per request beside the scheduler's token accounting."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """Values found at start-up (not user configuration)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    num_kv_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = config.torch_device()
+        dtype = config.torch_dtype(device)
+        torch.manual_seed(config.seed)
+        loaded = load_model(config.model, dtype=dtype, device=device)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        max_model_len = _resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
+        num_blocks = config.num_kv_blocks or _num_kv_blocks(config, loaded.config, dtype, device)
+        self.state = EngineState(
+            device=device,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            num_kv_blocks=num_blocks,
+            eos_token_ids=tuple(loaded.config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids),
+        )
+        kv_caches = allocate_kv_cache(
+            loaded.config,
+            num_layers=loaded.config.num_hidden_layers,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=dtype,
+            device=device,
+        )
+        self.runner = ModelRunner(loaded.model, kv_caches=kv_caches, block_size=config.block_size, device=device)
+        sched_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size)
+        self._requests: dict[str, _RequestState] = {}
+        self._ids = itertools.count()
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
+        """Checks one request without changing anything; returns (text, token ids, max_tokens)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            text, ids = None, list(prompt)
+        else:
+            raise ValueError("a prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        limit = self.state.max_model_len
+        if len(ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no room to generate"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
+        if len(ids) + max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})"
+            )
+        return text, ids, max_tokens
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Adds one sequence (n is expanded by the caller). ValueError leaves the engine untouched."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, max_tokens = self.validate(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduler.add_request(Request(request_id, ids, arrival_time=arrival, sampling_params=params))
+        self._requests[request_id] = _RequestState(
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            generator=make_generator(params.seed, self.state.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
+            metrics=RequestMetrics(arrival_time=arrival),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def abort_request(self, request_id: str) -> bool:
+        """Frees the request's KV blocks; its next output reports finish_reason "abort"."""
+        state = self._requests.get(request_id)
+        if state is None or state.finish_reason is not None:
+            return False
+        self.scheduler.abort_request(request_id)
+        state.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One micro-batch; returns the outputs of the requests that gained a token this step."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            return []
+        self._mark_scheduled(plan)
+        sampled = self._run(plan)
+        updated = self.scheduler.update(plan, sampled.token_ids)
+        return [self._postprocess(req, sampled.logprobs.get(req.request_id)) for req in updated]
+
+    def _mark_scheduled(self, plan: SchedulerOutput) -> None:
+        now = time.monotonic()
+        for s in plan.scheduled:
+            m = self._requests[s.request.request_id].metrics
+            if m.first_scheduled_time is None:
+                m.first_scheduled_time = now
+
+    def _run(self, plan: SchedulerOutput) -> _Sampled:
+        step = StepInputs.from_scheduler_output(plan)
+        sampling = [s.request.request_id for s in plan.scheduled if s.needs_sample]
+        states = [self._requests[rid] for rid in sampling]
+        out = self.runner.execute(step, [st.params for st in states], [st.generator for st in states])
+        token_ids = out.token_ids.tolist()
+        logprobs = {}
+        if out.logprobs is not None:
+            logprobs = {rid: lp for rid, lp in zip(sampling, out.logprobs) if lp is not None}
+        return _Sampled(token_ids=dict(zip(sampling, token_ids)), logprobs=logprobs)
+
+    def _postprocess(self, req: Request, logprobs: dict[int, float] | None) -> RequestOutput:
+        state = self._requests[req.request_id]
+        token = req.output_token_ids[-1]
+        now = time.monotonic()
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.token_times.append(now)
+        state.output_token_ids.append(token)
+        if state.logprobs is not None and logprobs is not None:
+            state.logprobs.append(logprobs)
+        state.detokenizer.step(token)
+        reason, stop_reason, text = check_stop(
+            output_token_ids=state.output_token_ids,
+            output_text=state.detokenizer.text,
+            params=state.params,
+            eos_token_ids=self.state.eos_token_ids,
+            max_tokens=state.max_tokens,
+        )
+        state.text = text
+        if reason is not None:
+            state.finish_reason, state.stop_reason = reason, stop_reason
+            state.metrics.finished_time = now
+            self.scheduler.finish_request(req.request_id, _FINISH_STATUS[reason])
+        return self._output(req.request_id)
+
+    def _output(self, request_id: str) -> RequestOutput:
+        st = self._requests[request_id]
+        finished = st.finish_reason is not None
+        completion = CompletionOutput(
+            index=0,
+            text=st.text,
+            token_ids=list(st.output_token_ids),
+            finish_reason=st.finish_reason,
+            logprobs=None if st.logprobs is None else list(st.logprobs),
+            stop_reason=st.stop_reason,
+        )
+        if finished:
+            del self._requests[request_id]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=st.prompt,
+            prompt_token_ids=st.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            metrics=st.metrics,
+        )
+
+    def take_aborted(self, request_id: str) -> RequestOutput:
+        """The final output of an aborted request (and forgets it)."""
+        return self._output(request_id)
+
+
+@dataclass(slots=True)
+class _Sampled:
+    token_ids: dict[str, int]
+    logprobs: dict[str, dict[int, float]]
+
+
+def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
+    if requested is None:
+        return model_limit
+    if requested > model_limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_limit}")
+    return requested
+
+
+def _num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device) -> int:
+    per_block = kv_cache_bytes_per_block(
+        model_config, num_layers=model_config.num_hidden_layers, block_size=config.block_size, dtype=dtype
+    )
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free)
+        budget -= _activation_bytes(model_config, config.scheduler.max_num_batched_tokens, dtype)
+    else:
+        budget = config.kv_cache_memory_gb * 2**30
+    num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or the model size")
+    return num_blocks
+
+
+def _activation_bytes(c, num_tokens: int, dtype: torch.dtype) -> int:
+    """A generous bound on one forward pass's transient memory (the KV pool takes the rest)."""
+    width = 6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_attention_heads * c.head_dim
+    logits = num_tokens * c.vocab_size * 4 * 2  # worst case: every row sampled, float32, twice
+    return int(num_tokens * width * dtype.itemsize * 2 + logits + (1 << 30))

