@@ -23,6 +23,8 @@ _DTYPES = {
 class EngineConfig:
     model: str | None = None
     """Hugging Face folder or .gguf file; None = the embedded SmolLM2-135M-Instruct GGUF."""
+    load_format: str = "auto"
+    """auto = read the weights; dummy = random weights of the checkpoint's shape (benchmarks)."""
     dtype: str = "auto"
     """float32, bfloat16 or float16; auto = bfloat16 on CUDA, float32 on CPU."""
     device: str = "auto"
@@ -44,6 +46,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

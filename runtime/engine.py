@@ -16,7 +16,7 @@ import torch
 from pipeserve.runtime.batch import StepInputs
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from pipeserve.runtime.loader import load_model
+from pipeserve.runtime.loader import LoadedModel, load_model
 from pipeserve.runtime.model_runner import ModelRunner
 from pipeserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pipeserve.runtime.sampler import make_generator
@@ -62,12 +62,14 @@ class EngineState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
+        """`loaded` reuses a model already in memory (sweeps and tests build several engines)."""
         self.config = config
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         torch.manual_seed(config.seed)
-        loaded = load_model(config.model, dtype=dtype, device=device)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         max_model_len = _resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
@@ -188,7 +190,13 @@ class LLMEngine:
         step = StepInputs.from_scheduler_output(plan)
         sampling = [s.request.request_id for s in plan.scheduled if s.needs_sample]
         states = [self._requests[rid] for rid in sampling]
-        out = self.runner.execute(step, [st.params for st in states], [st.generator for st in states])
+        out = self.runner.execute(
+            step,
+            [st.params for st in states],
+            [st.generator for st in states],
+            num_output_tokens=[len(st.output_token_ids) for st in states],
+            eos_token_ids=self.state.eos_token_ids,
+        )
         token_ids = out.token_ids.tolist()
         logprobs = {}
         if out.logprobs is not None:
@@ -205,10 +213,11 @@ class LLMEngine:
         state.output_token_ids.append(token)
         if state.logprobs is not None and logprobs is not None:
             state.logprobs.append(logprobs)
-        state.detokenizer.step(token)
+        delta = state.detokenizer.step(token)
         reason, stop_reason, text = check_stop(
             output_token_ids=state.output_token_ids,
             output_text=state.detokenizer.text,
+            new_text_len=len(delta),
             params=state.params,
             eos_token_ids=self.state.eos_token_ids,
             max_tokens=state.max_tokens,

@@ -24,6 +24,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        load_format: str = "auto",
         device: str = "auto",
         max_num_batched_tokens: int = 512,
         max_num_seqs: int = 128,
@@ -44,6 +45,7 @@ class LLM:
             EngineConfig(
                 model=model,
                 dtype=dtype,
+                load_format=load_format,
                 device=device,
                 block_size=block_size,
                 num_kv_blocks=num_kv_blocks,
@@ -56,9 +58,10 @@ class LLM:
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLM:
+    def from_config(cls, config: EngineConfig, *, loaded=None) -> LLM:
+        """An LLM from a full EngineConfig; `loaded` reuses a model already in memory."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config)
+        llm.engine = LLMEngine(config, loaded=loaded)
         return llm
 
     def get_tokenizer(self):
@@ -103,8 +106,7 @@ class LLM:
         for i in range(params.n):
             sp = params
             if params.n > 1 and params.seed is not None:
-                sp = params.clone()
-                sp.seed = params.seed + i
+                sp = params.clone(seed=params.seed + i)
             rid = self.engine.new_request_id()
             self.engine.add_request(rid, prompt, sp)
             ids.append(rid)

@@ -42,8 +42,11 @@ def load_model(
     device: torch.device,
     start_layer: int = 0,
     end_layer: int | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
     path = resolve_model_path(model)
+    if load_format == "dummy":
+        return _load_dummy(path, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
     if os.path.isfile(path):
         return _load_gguf(path, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
     from pipeserve.runtime.weights import load_hf_model
@@ -63,3 +66,19 @@ def _load_gguf(path, *, dtype, device, start_layer, end_layer) -> LoadedModel:
     net = build_model(config, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
     net.load_weights(ckpt.iter_weights())
     return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_gguf(ckpt), path=path)
+
+
+def _load_dummy(path, *, dtype, device, start_layer, end_layer) -> LoadedModel:
+    """Random weights of the folder's config.json shape: throughput does not depend on values."""
+    from pipeserve.runtime.weights import build_model
+
+    config = ModelConfig.from_hf_folder(path)
+    net = build_model(config, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)  # norm weights (and biases, harmlessly)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)

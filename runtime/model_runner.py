@@ -38,8 +38,14 @@ class ModelRunner:
         step: StepInputs,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        *,
+        num_output_tokens: list[int],
+        eos_token_ids: tuple[int, ...],
     ) -> SamplerOutput:
-        """`params`/`generators` are given for the sampling sequences only, in batch order."""
+        """`params`/`generators`/`num_output_tokens` are per sampling sequence, in batch order
+        (the last two let the sampler hold EOS back until min_tokens)."""
         logits = self.forward_logits(step)
         assert logits.shape[0] == len(params) == len(generators)
-        return self.sampler(logits, params, generators)
+        return self.sampler(
+            logits, params, generators, num_output_tokens=num_output_tokens, eos_token_ids=eos_token_ids
+        )

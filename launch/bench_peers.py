@@ -1,0 +1,220 @@
+"""Side-by-side offline throughput: pipeserve against transformers (and DeepSpeed-FastGen).
+
+The workload of ../shared/peers/README.md: a Llama-3-8B-shaped model with random bf16 weights,
+N requests with prompt lengths uniform in [min_prompt, max_prompt], `output_len` tokens each,
+all submitted at once. Each system runs in its own process (so one's memory never limits the
+next) on the same card, in the same run. Throughput counts prompt + output tokens.
+
+    python -m pipeserve.launch.bench_peers --systems pipeserve,transformers --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=50304,  # the GPT-2 tokenizer's 50257, padded as the peers guide says
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+    torch_dtype="bfloat16",
+    bos_token_id=50256,
+    eos_token_id=50256,
+)
+
+
+def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(0, 50257) for _ in range(rng.randint(min_prompt, max_prompt))]
+        for _ in range(num_requests)
+    ]
+
+
+def write_model_folder(folder: str, tokenizer_json: str, *, num_layers: int, with_weights: bool) -> None:
+    cfg = dict(LLAMA3_8B, num_hidden_layers=num_layers)
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    shutil.copy(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+    if with_weights:
+        _hf_model(folder).save_pretrained(folder, safe_serialization=True)
+
+
+def _hf_model(folder: str):
+    import torch
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+    return model.eval()
+
+
+def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
+    from pipeserve import LLM, SamplingParams
+
+    llm = LLM(
+        folder,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=256,
+        block_size=args.block_size,
+    )
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    _sync()
+    wall = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    return {"wall_s": wall, "num_kv_blocks": llm.engine.state.num_kv_blocks}
+
+
+def run_transformers(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
+    import torch
+
+    model = _hf_model(folder)
+    batch = 32
+
+    def generate(chunk: list[list[int]], n: int) -> None:
+        width = max(len(p) for p in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(chunk):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=0,
+            )
+        assert out.shape[1] == width + n
+
+    generate(prompts[:2], 4)  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        generate(prompts[i : i + batch], output_len)
+    _sync()
+    return {"wall_s": time.perf_counter() - t0}
+
+
+def run_fastgen(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
+    try:
+        import mii
+    except ImportError:
+        return {"skipped": "deepspeed-mii is not installed (see ../shared/peers/README.md)"}
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    texts = [tok.decode(p) for p in prompts]
+    pipe = mii.pipeline(folder)
+    pipe(texts[:2], max_new_tokens=4, min_new_tokens=4, ignore_eos=True)  # warm-up
+    _sync()
+    t0 = time.perf_counter()
+    pipe(texts, max_new_tokens=output_len, min_new_tokens=output_len, ignore_eos=True)
+    _sync()
+    # The decoded text re-encodes to about, not exactly, the same prompt lengths: report both.
+    return {"wall_s": time.perf_counter() - t0, "prompt_tokens": sum(len(tok.encode(t).ids) for t in texts)}
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+RUNNERS = {"pipeserve": run_pipeserve, "transformers": run_transformers, "fastgen": run_fastgen}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--systems", default="pipeserve,transformers,fastgen")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--min-prompt", type=int, default=128)
+    p.add_argument("--max-prompt", type=int, default=2048)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gpt2_tokenizer.json"))
+    p.add_argument("--workdir", default=None)
+    p.add_argument("--out", default=None, help="write all results as JSON here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    prompts = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="pipeserve-bench-")
+    if args.child:
+        result = RUNNERS[args.child](workdir, prompts, args.output_len, args)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    systems = [s for s in args.systems.split(",") if s]
+    write_model_folder(workdir, args.tokenizer, num_layers=args.num_layers, with_weights="fastgen" in systems)
+    total = sum(map(len, prompts)) + args.num_requests * args.output_len
+    results = {}
+    for name in systems:
+        cmd = [sys.executable, "-m", "pipeserve.launch.bench_peers", *sys.argv[1:], "--child", name, "--workdir", workdir]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+        if line is None:
+            results[name] = {"error": (proc.stderr or proc.stdout)[-3000:]}
+        else:
+            r = json.loads(line[7:])
+            if "wall_s" in r:
+                r["tokens_per_s"] = total / r["wall_s"]
+            results[name] = r
+        print(name, json.dumps(results[name])[:3000], flush=True)
+    summary = _summary(results, args, total)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "total_tokens": total, "results": results}, f, indent=1)
+    print(summary)
+
+
+def _summary(results: dict, args, total: int) -> str:
+    import torch
+
+    card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    base = results.get("pipeserve", {}).get("tokens_per_s")
+    rows = [f"card: {card}; {args.num_requests} requests, prompts U[{args.min_prompt},{args.max_prompt}], "
+            f"{args.output_len} out, {args.num_layers} layers, {total} tokens",
+            "| system | wall s | tokens/s | pipeserve / system |", "|---|---|---|---|"]
+    for name, r in results.items():
+        if "tokens_per_s" in r:
+            ratio = f"{base / r['tokens_per_s']:.2f}" if base else "-"
+            rows.append(f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} |")
+        else:
+            rows.append(f"| {name} | - | {r.get('skipped') or 'error'} | - |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()

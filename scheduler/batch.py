@@ -1,0 +1,281 @@
+"""One micro-batch under construction: its budgets and the moves a policy may make.
+
+Policies decide *which* requests get *how many* tokens; the builder does the bookkeeping that
+every policy shares (blocks, preemption, in-flight state), so all policies are compared on the
+same mechanics.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .config import SchedulerConfig
+from .cost_model import CostModel, attention_work
+from .request import Request, RequestStatus
+
+VictimSelector = Callable[[list[Request]], "Request | None"]
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's chunk in a micro-batch."""
+
+    request: Request
+    num_scheduled_tokens: int
+    num_computed_tokens: int
+    """Computed (or in-flight) tokens before this step: the position of the first new token."""
+    block_table: list[int]
+    """Snapshot of the request's blocks after allocation; covers ``context_len`` slots."""
+    needs_sample: bool
+    """The chunk reaches the end of the known tokens, so one token must be sampled for it."""
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def context_len(self) -> int:
+        return self.num_computed_tokens + self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One micro-batch: what to run, and who was preempted to make room."""
+
+    scheduled: list[ScheduledRequest]
+    preempted: list[str]
+    step_id: int
+    predicted_time: float = 0.0
+    """Cost-model prediction in seconds; 0.0 when the scheduler has no cost model."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class BatchBuilder:
+    """Builds one micro-batch, mutating the scheduler's queues and requests as it goes."""
+
+    def __init__(
+        self,
+        *,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        cost_model: CostModel | None,
+        running: list[Request],
+        waiting: deque[Request],
+        arrival_order: Mapping[str, int],
+        select_victim: VictimSelector,
+        allow_prompt_over_budget: bool,
+        now: float,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.cost_model = cost_model
+        self.running = running  # sorted by arrival order
+        self.waiting = waiting
+        self._arrival_order = arrival_order
+        self._select_victim = select_victim
+        self._allow_prompt_over_budget = allow_prompt_over_budget
+        self._now = now
+        self.scheduled: list[ScheduledRequest] = []
+        self.preempted: list[str] = []
+        self.num_tokens = 0
+        self.attn_work = 0
+        # Whole-prompt policies may admit one prompt over the token budget (see config).
+        self.num_over_budget_tokens = 0
+        self._num_admitted = 0
+        self._ids: set[str] = set()
+
+    # ---- queries --------------------------------------------------------------------------
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled)
+
+    @property
+    def has_seq_room(self) -> bool:
+        return len(self.scheduled) < self.config.max_num_seqs
+
+    @property
+    def token_budget_left(self) -> int:
+        return self.config.max_num_batched_tokens - self.num_tokens
+
+    def is_schedulable(self, request: Request) -> bool:
+        """A running request with known tokens to compute, not blocked by an in-flight chunk."""
+        if request.status is not RequestStatus.RUNNING or request.request_id in self._ids:
+            return False
+        if request.awaiting_token or request.num_remaining_tokens == 0:
+            return False
+        consecutive_ok = self.config.allow_same_request_in_consecutive_chunks
+        return consecutive_ok or request.num_inflight_chunks == 0
+
+    def running_decodes(self) -> list[Request]:
+        """Schedulable running requests with exactly one token left, in arrival order."""
+        return [r for r in self.running if self.is_schedulable(r) and r.num_remaining_tokens == 1]
+
+    def running_prefills(self) -> list[Request]:
+        """Schedulable running requests with more than one token left, in arrival order."""
+        return [r for r in self.running if self.is_schedulable(r) and r.num_remaining_tokens > 1]
+
+    def chunk_size(self, request: Request) -> int:
+        """Most tokens of ``request`` that fit this micro-batch's token (or time) budget."""
+        limit = min(request.num_remaining_tokens, self.token_budget_left)
+        if limit <= 0 or not self.has_seq_room:
+            return 0
+        budget = self.config.time_budget_s
+        if budget is None:
+            return limit
+        n = self._largest_within_time(request.num_computed_tokens, limit, budget)
+        # An empty micro-batch must make progress even if one token overshoots the budget.
+        return n if n > 0 or self.scheduled else 1
+
+    def fits_whole(self, request: Request) -> bool:
+        """Can all of ``request``'s remaining tokens join (whole-prompt policies)?"""
+        if not self.has_seq_room:
+            return False
+        n = request.num_remaining_tokens
+        if n <= self.token_budget_left:
+            return True
+        # A prompt longer than the whole budget could never fit: it may go as the first prompt
+        # of a micro-batch (see SchedulerConfig.max_num_batched_tokens).
+        too_long = n > self.config.max_num_batched_tokens
+        return too_long and self._num_admitted == 0 and self._may_exceed_budget()
+
+    def predicted_time(self) -> float:
+        if self.cost_model is None:
+            return 0.0
+        return self.cost_model.predict(self.num_tokens, self.attn_work, self.num_seqs)
+
+    # ---- moves ----------------------------------------------------------------------------
+
+    def schedule_running(self, request: Request, num_tokens: int) -> bool:
+        """Schedule ``num_tokens`` of a running request, preempting others for blocks if needed.
+
+        Returns False (scheduling nothing) if the blocks cannot be found, including when the
+        request itself was the victim.
+        """
+        assert num_tokens >= 1 and self.is_schedulable(request), request
+        context_len = request.num_computed_tokens + num_tokens
+        while not self.block_manager.can_append(request.request_id, context_len):
+            victim = self._select_victim(self._victim_candidates())
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        self.block_manager.append(request.request_id, context_len)
+        self._add(request, num_tokens)
+        return True
+
+    def admit(self, request: Request, num_tokens: int) -> bool:
+        """Move the head of the waiting queue to running with a first chunk of ``num_tokens``.
+
+        Never preempts, and refuses in a step that preempted: a request preempted for blocks
+        must not be readmitted into the same micro-batch (thrashing).
+        """
+        assert self.waiting and self.waiting[0] is request
+        assert 1 <= num_tokens <= request.num_remaining_tokens
+        if self.preempted or not self.has_seq_room:
+            return False
+        if not self.block_manager.can_allocate(num_tokens):
+            return False
+        self.waiting.popleft()
+        self.block_manager.allocate(request.request_id, num_tokens)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = self._now
+        bisect.insort(self.running, request, key=self._arrival_key)
+        self._add(request, num_tokens)
+        self._num_admitted += 1
+        return True
+
+    def build(self, step_id: int) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled=self.scheduled,
+            preempted=self.preempted,
+            step_id=step_id,
+            predicted_time=self.predicted_time(),
+        )
+
+    # ---- internals ------------------------------------------------------------------------
+
+    def _add(self, request: Request, num_tokens: int) -> None:
+        if num_tokens > self.token_budget_left:
+            assert self._may_exceed_budget(), "token budget exceeded"
+            self.num_over_budget_tokens = num_tokens
+        computed = request.num_computed_tokens
+        needs_sample = computed + num_tokens == request.num_tokens
+        self.scheduled.append(
+            ScheduledRequest(
+                request=request,
+                num_scheduled_tokens=num_tokens,
+                num_computed_tokens=computed,
+                block_table=self.block_manager.block_table(request.request_id),
+                needs_sample=needs_sample,
+            )
+        )
+        self._ids.add(request.request_id)
+        request.num_computed_tokens += num_tokens  # in flight from now on
+        request.num_inflight_chunks += 1
+        request.awaiting_token = needs_sample
+        self.num_tokens += num_tokens
+        self.attn_work += attention_work(computed, num_tokens)
+
+    def _may_exceed_budget(self) -> bool:
+        # Whole-prompt policies may add one prompt over the budget (with decodes); chunking
+        # policies never exceed it.
+        return self._allow_prompt_over_budget and self.num_over_budget_tokens == 0
+
+    def _victim_candidates(self) -> list[Request]:
+        # In-flight requests cannot be preempted: their pending results would land on a reset
+        # num_computed_tokens. Requests scheduled in this batch are in flight already.
+        return [r for r in self.running if not r.is_in_flight]
+
+    def _preempt(self, victim: Request) -> None:
+        """Preempt by recompute: drop its KV; it recomputes prompt + outputs on readmission."""
+        assert victim.status is RequestStatus.RUNNING and not victim.is_in_flight, victim
+        self.block_manager.free(victim.request_id)
+        self.running.remove(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        # Victims are the latest arrivals first, so pushing each to the front leaves the
+        # front in arrival order.
+        self.waiting.appendleft(victim)
+        self.preempted.append(victim.request_id)
+
+    def _arrival_key(self, request: Request) -> int:
+        return self._arrival_order[request.request_id]
+
+    def _largest_within_time(self, num_computed: int, limit: int, budget: float) -> int:
+        """Largest q in [0, limit] whose batch prediction stays within ``budget`` (bisection).
+
+        Predicted time grows with q (coefficients are >= 0), so the predicate is monotone.
+        """
+        assert self.cost_model is not None
+        model, lo, hi = self.cost_model, 0, limit
+
+        def fits(q: int) -> bool:
+            work = self.attn_work + attention_work(num_computed, q)
+            return model.predict(self.num_tokens + q, work, self.num_seqs + 1) <= budget
+
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

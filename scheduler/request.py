@@ -1,0 +1,123 @@
+"""A request's token accounting: what is known, what is computed, what is in flight."""
+
+from __future__ import annotations
+
+import enum
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = frozenset(
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
+)
+
+
+class Request:
+    """One generation request as the scheduler sees it.
+
+    ``num_computed_tokens`` counts tokens whose KV is computed *or in flight*: the scheduler
+    advances it when it schedules a chunk, not when the chunk's result comes back. A request
+    whose scheduled chunk reaches the end of its known tokens sets ``awaiting_token`` until
+    ``Scheduler.update`` appends the sampled token; until then it is not schedulable.
+    ``sampling_params`` is opaque here; the engine reads it.
+    """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "num_computed_tokens",
+        "status",
+        "arrival_time",
+        "sampling_params",
+        "num_preemptions",
+        "awaiting_token",
+        "num_inflight_chunks",
+        "first_scheduled_time",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        arrival_time: float = 0.0,
+        sampling_params: object = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_time = arrival_time
+        self.sampling_params = sampling_params
+        self.num_preemptions = 0
+        self.awaiting_token = False
+        # Scheduled chunks whose results update() has not yet seen (pipeline depth > 1).
+        self.num_inflight_chunks = 0
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (a new list each call)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Known tokens not yet computed nor in flight."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the newest sampled token is left to compute.
+
+        That is a fresh prompt not yet fully scheduled, or a preempted request recomputing its
+        prompt and outputs. A decode has exactly its last sampled token left (or is awaiting
+        the next one).
+        """
+        return self.num_computed_tokens < max(self.num_prompt_tokens, self.num_tokens - 1)
+
+    @property
+    def is_in_flight(self) -> bool:
+        """A chunk of this request is scheduled and its result not yet back."""
+        return self.num_inflight_chunks > 0 or self.awaiting_token
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_prompt_tokens}"
+            f"+{self.num_output_tokens}, computed={self.num_computed_tokens},"
+            f" inflight={self.num_inflight_chunks}, awaiting={self.awaiting_token})"
+        )
