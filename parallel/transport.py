@@ -1,0 +1,452 @@
+"""ZeroMQ control plane between the engine and the workers: handshake, plans, liveness.
+
+Sockets (LINGER 0, except that a closing worker gives its last results a bounded moment to
+leave; every receive polls with a timeout and every send has a timeout: nothing blocks
+forever):
+
+- engine PUB  (``plan_endpoint``)   → every worker's SUB: ``Ready``, ``StepPlan``, ``Shutdown``
+  under topic ``P``; the engine's own ``Heartbeat`` under topic ``H``.
+- engine PULL (``result_endpoint``) ← every worker's PUSH: ``Hello``, ``StepResult``,
+  ``WorkerError``, and ``Heartbeat`` from each worker's heartbeat thread (own PUSH socket).
+
+Handshake. PUB silently drops what it publishes before a subscriber's subscription has
+arrived, so the engine publishes ``Ready`` every ~50 ms, and a worker sends ``Hello`` only
+after its SUB socket has received one. Hence when ``EngineChannel.handshake()`` returns (a
+``Hello`` from every rank) every worker's subscription is live, and PUB/SUB over TCP delivers
+the plans that follow to all of them, in order. The plan socket never drops silently either:
+it is set to block (bounded) instead when a worker falls behind by a whole high-water mark.
+
+Liveness. Each worker runs a thread that pushes a ``Heartbeat`` every
+``heartbeat_interval_s`` and watches the engine's heartbeats on its own SUB socket (topic
+``H`` only), so a worker stuck in a collective still learns that the engine died
+(``on_engine_lost``). The engine publishes its heartbeat from ``send_plan``/``recv``/``tick``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from pipeserve.parallel.wire import (
+    ENGINE_RANK,
+    Heartbeat,
+    Hello,
+    Message,
+    Ready,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    WorkerError,
+    decode,
+    encode,
+)
+
+_PLAN_TOPIC = b"P"
+_HEARTBEAT_TOPIC = b"H"
+_READY_INTERVAL_S = 0.05
+_POLL_SLICE_S = 0.05  # longest a background thread waits before it checks for stop
+# Messages a slow subscriber may have queued before the engine blocks (never drops) on it;
+# the pipeline keeps at most `pp` plans in flight, so reaching this means a stuck worker.
+_HIGH_WATER_MARK = 10_000
+_ALL_INTERFACES = ("0.0.0.0", "*", "::", "")
+
+
+class TransportError(RuntimeError):
+    """The control plane failed: a peer misbehaved, or a send could not complete."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """A bounded wait of the control plane ran out."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TransportConfig:
+    """Where the engine binds and how fast both sides give up on each other."""
+
+    host: str = "127.0.0.1"
+    """Address the engine binds. Loopback by default: the sockets carry no authentication."""
+
+    advertise_host: str | None = None
+    """Address workers connect to (multi-node: the engine node's name or IP). Defaults to
+    ``host``, or to this machine's hostname when ``host`` is a wildcard."""
+
+    allow_all_interfaces: bool = False
+    """Permit a wildcard ``host`` ("0.0.0.0", "*", "::"), which exposes the control plane
+    to the network."""
+
+    plan_port: int = 0
+    """TCP port of the plan PUB socket; 0 picks a free one."""
+
+    result_port: int = 0
+    """TCP port of the PULL socket for everything workers send; 0 picks a free one."""
+
+    heartbeat_interval_s: float = 1.0
+    """Period of heartbeats, both directions."""
+
+    liveness_timeout_s: float = 10.0
+    """A peer silent for this long counts as dead."""
+
+    handshake_timeout_s: float = 60.0
+    """Longest wait for every worker (engine side) or for the engine (worker side) to show up.
+    Workers should handshake before loading weights: heartbeats cover the loading time."""
+
+    send_timeout_s: float = 30.0
+    """Longest a send may block on a peer that stopped reading before raising."""
+
+    def __post_init__(self) -> None:
+        if self.host in _ALL_INTERFACES and not self.allow_all_interfaces:
+            raise ValueError(
+                f"host={self.host!r} exposes the unauthenticated control plane on every "
+                "interface; bind a specific address or set allow_all_interfaces=True"
+            )
+        for name in ("plan_port", "result_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        for name in ("heartbeat_interval_s", "liveness_timeout_s", "handshake_timeout_s",
+                     "send_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.liveness_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("liveness_timeout_s must exceed heartbeat_interval_s")
+
+
+def _tcp(host: str) -> str:
+    return f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+
+
+def _advertised(config: TransportConfig) -> str:
+    if config.advertise_host:
+        return config.advertise_host
+    return socket.gethostname() if config.host in _ALL_INTERFACES else config.host
+
+
+def _make_socket(ctx: zmq.Context, kind: int, *, send_timeout_s: float | None = None) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # harmless for IPv4; needed to reach "::1"-style hosts
+    sock.setsockopt(zmq.SNDHWM, _HIGH_WATER_MARK)
+    sock.setsockopt(zmq.RCVHWM, _HIGH_WATER_MARK)
+    if send_timeout_s is not None:
+        sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+    return sock
+
+
+def _send(sock: zmq.Socket, frames: list[bytes], what: str) -> None:
+    try:
+        sock.send_multipart(frames)
+    except zmq.Again:
+        raise TransportTimeout(f"{what}: the peer stopped reading (send timed out)") from None
+
+
+def _poll(sock: zmq.Socket, timeout_s: float) -> bool:
+    return bool(sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLIN))
+
+
+class EngineChannel:
+    """The engine's end: publishes plans to every worker, collects what workers send.
+
+    Workers treat an engine silent for ``liveness_timeout_s`` as dead, so the engine loop
+    must call ``send_plan``, ``recv`` or ``tick`` more often than that (each publishes the
+    engine heartbeat when it is due).
+    """
+
+    def __init__(self, config: TransportConfig, world_size: int) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        self.config = config
+        self.world_size = world_size
+        self.session = uuid.uuid4().hex
+        self.hellos: dict[int, Hello] = {}
+        self._ctx = zmq.Context()
+        self._pub = _make_socket(self._ctx, zmq.PUB, send_timeout_s=config.send_timeout_s)
+        # Block (bounded by SNDTIMEO) rather than silently drop a plan for a slow worker.
+        self._pub.setsockopt(zmq.XPUB_NODROP, 1)
+        self._pull = _make_socket(self._ctx, zmq.PULL)
+        try:
+            plan_port = self._bind(self._pub, config.plan_port)
+            result_port = self._bind(self._pull, config.result_port)
+        except zmq.ZMQError:
+            self.close()
+            raise
+        host = _tcp(_advertised(config))
+        self.plan_endpoint = f"{host}:{plan_port}"
+        self.result_endpoint = f"{host}:{result_port}"
+        self._inbox: deque[Message] = deque()
+        self._last_seen = {rank: time.monotonic() for rank in range(world_size)}
+        self._last_heartbeat = 0.0
+        self._result_rank: int | None = None  # known after the handshake
+
+    def _bind(self, sock: zmq.Socket, port: int) -> int:
+        address = _tcp(self.config.host)
+        if port == 0:
+            return sock.bind_to_random_port(address)
+        sock.bind(f"{address}:{port}")
+        return port
+
+    def handshake(self) -> dict[int, Hello]:
+        """Wait until every rank has said ``Hello``; return the hellos by rank.
+
+        Raises ``TransportTimeout`` naming the missing ranks after ``handshake_timeout_s``,
+        and ``TransportError`` if a worker reports an error or a wrong world size.
+        """
+        deadline = time.monotonic() + self.config.handshake_timeout_s
+        ready = [_PLAN_TOPIC, encode(Ready(session=self.session, world_size=self.world_size))]
+        next_ready = 0.0
+        while len(self.hellos) < self.world_size:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(set(range(self.world_size)) - set(self.hellos))
+                raise TransportTimeout(
+                    f"handshake timed out after {self.config.handshake_timeout_s:g}s: "
+                    f"no Hello from rank(s) {missing} of {self.world_size}"
+                )
+            if now >= next_ready:
+                _send(self._pub, ready, "publish Ready")
+                next_ready = now + _READY_INTERVAL_S
+            self.tick()  # workers that are already through watch for engine heartbeats
+            if _poll(self._pull, min(next_ready, deadline) - now):
+                self._drain()
+                self._take_hellos()
+        self._result_rank = self._find_result_rank()
+        return dict(self.hellos)
+
+    def _take_hellos(self) -> None:
+        """Accept the ``Hello``s in the inbox; fail fast on a ``WorkerError``; keep the rest."""
+        kept: deque[Message] = deque()
+        for msg in self._inbox:
+            if isinstance(msg, Hello):
+                self._accept_hello(msg)
+            elif isinstance(msg, WorkerError):
+                raise TransportError(f"rank {msg.rank} failed during start-up: {msg.message}")
+            else:
+                kept.append(msg)
+        self._inbox = kept
+
+    def _accept_hello(self, hello: Hello) -> None:
+        if hello.world_size != self.world_size or not 0 <= hello.rank < self.world_size:
+            raise TransportError(
+                f"Hello from rank {hello.rank} with world_size {hello.world_size}; "
+                f"the engine expects {self.world_size} ranks"
+            )
+        self.hellos[hello.rank] = hello
+
+    def _find_result_rank(self) -> int | None:
+        """The rank that sends ``StepResult``s (last stage, TP rank 0), which carry no rank."""
+        last_stage = max(hello.stage for hello in self.hellos.values())
+        ranks = [h.rank for h in self.hellos.values() if h.stage == last_stage and h.tp_rank == 0]
+        return min(ranks, default=None)
+
+    def _read(self) -> Message:
+        """Decode one pending message and note that its sender is alive."""
+        msg = decode(self._pull.recv(zmq.NOBLOCK))
+        rank = self._result_rank if isinstance(msg, StepResult) else getattr(msg, "rank", None)
+        if rank in self._last_seen:
+            self._last_seen[rank] = time.monotonic()
+        return msg
+
+    def send_plan(self, plan: StepPlan | Shutdown) -> None:
+        """Publish one plan (or a ``Shutdown``) to every worker."""
+        _send(self._pub, [_PLAN_TOPIC, encode(plan)], "publish plan")
+        self.tick()
+
+    def tick(self) -> None:
+        """Publish the engine heartbeat if one is due; an idle engine loop calls this."""
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
+            beat = Heartbeat(rank=ENGINE_RANK, t=time.time())
+            _send(self._pub, [_HEARTBEAT_TOPIC, encode(beat)], "publish heartbeat")
+            self._last_heartbeat = now
+
+    def recv(self, timeout_s: float) -> Message | None:
+        """Next message from any worker, or ``None`` after ``timeout_s``.
+
+        Heartbeats are consumed here (they only feed ``check_liveness``); the engine heartbeat
+        keeps going while this waits.
+        """
+        deadline = time.monotonic() + timeout_s
+        while not self._inbox:
+            self.tick()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            wait = min(remaining, self.config.heartbeat_interval_s)
+            if _poll(self._pull, wait):
+                self._drain()
+        return self._inbox.popleft()
+
+    def _drain(self) -> None:
+        """Read everything pending without waiting."""
+        while self._pull.poll(0, zmq.POLLIN):
+            msg = self._read()
+            if not isinstance(msg, Heartbeat):
+                self._inbox.append(msg)
+
+    def check_liveness(self) -> list[int]:
+        """Ranks whose last message (of any kind) is older than ``liveness_timeout_s``."""
+        self._drain()  # count heartbeats queued while the engine was busy
+        cutoff = time.monotonic() - self.config.liveness_timeout_s
+        return [rank for rank, seen in self._last_seen.items() if seen < cutoff]
+
+    def close(self) -> None:
+        """Close both sockets without waiting for unsent messages."""
+        self._pub.close(linger=0)
+        self._pull.close(linger=0)
+        self._ctx.term()
+
+
+class WorkerChannel:
+    """A worker's end: receives plans, sends results, heartbeats, and watches the engine.
+
+    ``on_engine_lost`` (optional) is called once, from the heartbeat thread, when the engine
+    has been silent for ``liveness_timeout_s``; a worker blocked in a collective can use it to
+    exit (e.g. ``os._exit``). ``engine_alive()`` reports the same condition to a polling loop.
+    """
+
+    def __init__(
+        self,
+        config: TransportConfig,
+        *,
+        rank: int,
+        world_size: int,
+        stage: int,
+        tp_rank: int,
+        plan_endpoint: str,
+        result_endpoint: str,
+        on_engine_lost: Callable[[], None] | None = None,
+    ) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world_size {world_size}")
+        self.config = config
+        self.hello = Hello(rank=rank, world_size=world_size, stage=stage, tp_rank=tp_rank,
+                           pid=os.getpid(), hostname=socket.gethostname())
+        self.plan_endpoint = plan_endpoint
+        self.result_endpoint = result_endpoint
+        self.session: str | None = None
+        self._on_engine_lost = on_engine_lost
+        self._ctx = zmq.Context()
+        self._sub = _make_socket(self._ctx, zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, _PLAN_TOPIC)
+        self._sub.connect(plan_endpoint)
+        self._push = _make_socket(self._ctx, zmq.PUSH, send_timeout_s=config.send_timeout_s)
+        self._push.connect(result_endpoint)
+        self._engine_seen = time.monotonic()  # written by both threads; a float store is atomic
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.hello.rank
+
+    def handshake(self) -> str:
+        """Wait for the engine's ``Ready``, answer ``Hello``, start heartbeats; return the session.
+
+        Raises ``TransportTimeout`` after ``handshake_timeout_s`` without a ``Ready``.
+        """
+        ready = self._wait_ready(time.monotonic() + self.config.handshake_timeout_s)
+        if ready.world_size != self.hello.world_size:
+            message = (f"engine expects {ready.world_size} ranks, rank {self.rank} was started "
+                       f"with world_size {self.hello.world_size}")
+            self.send(WorkerError(rank=self.rank, message=message))  # engine fails fast too
+            raise TransportError(message)
+        self.session = ready.session
+        _send(self._push, [encode(self.hello)], "send Hello")
+        self._engine_seen = time.monotonic()
+        self._thread = threading.Thread(
+            target=self._heartbeat_loop, name=f"pipeserve-heartbeat-{self.rank}", daemon=True
+        )
+        self._thread.start()
+        return ready.session
+
+    def _wait_ready(self, deadline: float) -> Ready:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not _poll(self._sub, remaining):
+                raise TransportTimeout(
+                    f"rank {self.rank}: no Ready from the engine at {self.plan_endpoint} "
+                    f"within {self.config.handshake_timeout_s:g}s"
+                )
+            msg = self._read()
+            if isinstance(msg, Ready):
+                return msg
+
+    def _read(self) -> Message:
+        _topic, payload = self._sub.recv_multipart(zmq.NOBLOCK)
+        self._engine_seen = time.monotonic()
+        return decode(payload)
+
+    def recv_plan(self, timeout_s: float) -> StepPlan | Shutdown | None:
+        """Next plan or ``Shutdown`` from the engine, or ``None`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if not _poll(self._sub, remaining):
+                return None
+            msg = self._read()
+            if isinstance(msg, (StepPlan, Shutdown)):
+                return msg
+            # Late Ready copies (published until the last worker said Hello) are skipped.
+
+    def send(self, msg: Message) -> None:
+        """Send a message (``StepResult``, ``WorkerError``, ...) to the engine."""
+        _send(self._push, [encode(msg)], f"rank {self.rank}: send {type(msg).__name__}")
+
+    def engine_alive(self) -> bool:
+        """False once the engine has sent nothing (plan or heartbeat) for ``liveness_timeout_s``."""
+        return time.monotonic() - self._engine_seen < self.config.liveness_timeout_s
+
+    def _heartbeat_loop(self) -> None:
+        # zmq sockets are not thread-safe: this thread creates, uses and closes its own.
+        push = _make_socket(self._ctx, zmq.PUSH)
+        push.connect(self.result_endpoint)
+        sub = _make_socket(self._ctx, zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, _HEARTBEAT_TOPIC)
+        sub.connect(self.plan_endpoint)
+        try:
+            self._beat_until_stopped(push, sub)
+        finally:
+            push.close(linger=0)
+            sub.close(linger=0)
+
+    def _beat_until_stopped(self, push: zmq.Socket, sub: zmq.Socket) -> None:
+        next_beat = 0.0
+        lost_reported = False
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat:
+                self._beat(push)
+                next_beat = now + self.config.heartbeat_interval_s
+            if _poll(sub, min(_POLL_SLICE_S, next_beat - now)):
+                while sub.poll(0, zmq.POLLIN):
+                    sub.recv_multipart(zmq.NOBLOCK)  # content is irrelevant: arrival is the signal
+                self._engine_seen = time.monotonic()
+            if not lost_reported and not self.engine_alive() and self._on_engine_lost:
+                lost_reported = True
+                self._on_engine_lost()
+
+    def _beat(self, push: zmq.Socket) -> None:
+        try:
+            push.send(encode(Heartbeat(rank=self.rank, t=time.time())), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # engine not reading: a queued-up heartbeat would say nothing new
+
+    def close(self, linger_s: float = 1.0) -> None:
+        """Stop the heartbeat thread and close the sockets.
+
+        Messages already sent (typically a final ``WorkerError``) get up to ``linger_s`` to
+        leave; a dead engine therefore delays exit by at most that much.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self._sub.close(linger=0)
+        self._push.close(linger=int(linger_s * 1000))
+        if self._thread is None or not self._thread.is_alive():
+            self._ctx.term()

@@ -1,0 +1,262 @@
+"""The control-plane wire schema: typed, versioned msgspec messages (never pickle).
+
+Engine → workers: ``Ready`` (handshake), ``StepPlan`` (one per micro-batch), ``Heartbeat``
+(rank ``ENGINE_RANK``) and ``Shutdown``. Workers → engine: ``Hello``, ``StepResult`` (last
+stage, TP rank 0), ``Heartbeat`` and ``WorkerError``.
+
+Top-level messages are msgpack maps tagged by a ``type`` field and carry ``version``, so a peer
+built from another revision is rejected with a clear ``WireError`` instead of being
+misread. The per-sequence entries of a plan (``SeqPlan``, ``SamplingSpec``) are msgpack arrays:
+a plan carries hundreds of them and field names would dominate its size.
+
+Block tables travel as diffs: ``BlockTableDiffer`` (engine) sends a request's full table the
+first time and only appended blocks afterwards; ``BlockTableMirror`` (worker) rebuilds the
+full table from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Union
+
+import msgspec
+
+WIRE_VERSION = 1
+"""Bumped on every incompatible change of any message below."""
+
+ENGINE_RANK = -1
+"""``Heartbeat.rank`` of heartbeats that the engine publishes to the workers."""
+
+
+class WireError(ValueError):
+    """Bytes that are not a valid message of this wire version."""
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=True):
+    # Sent explicitly on every message (the encoder never omits defaults), so a decoder of
+    # another version sees the sender's number rather than its own default.
+    version: int = WIRE_VERSION
+
+
+class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """Sampling parameters the last stage needs (a validated ``SamplingParams``, flattened)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    logprobs: int | None
+
+
+class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One request's share of a micro-batch.
+
+    ``new_token_ids`` are the ``num_scheduled_tokens`` tokens this step computes (positions
+    ``num_computed_tokens ..``); stage 0 embeds them. Exactly one of ``block_table`` (full
+    table: the workers have not seen this request, or it restarted after preemption) and
+    ``block_table_diff`` (blocks appended since the last plan) is set; see ``BlockTableMirror``.
+    """
+
+    request_id: str
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    new_token_ids: list[int]
+    block_table_diff: list[int] | None = None
+    block_table: list[int] | None = None
+    needs_sample: bool
+    sampling: SamplingSpec | None
+
+    def __post_init__(self) -> None:
+        # Raised inside decode() too, where msgspec turns it into a ValidationError.
+        if len(self.new_token_ids) != self.num_scheduled_tokens:
+            raise ValueError(
+                f"{self.request_id}: {len(self.new_token_ids)} new_token_ids for "
+                f"{self.num_scheduled_tokens} scheduled tokens"
+            )
+        if (self.block_table is None) == (self.block_table_diff is None):
+            raise ValueError(f"{self.request_id}: set exactly one of block_table, block_table_diff")
+        if self.needs_sample and self.sampling is None:
+            raise ValueError(f"{self.request_id}: needs_sample without sampling parameters")
+
+
+class Hello(_Message, frozen=True, kw_only=True):
+    """Worker → engine, once its plan subscription is live (see ``transport``)."""
+
+    rank: int
+    world_size: int
+    stage: int
+    tp_rank: int
+    pid: int
+    hostname: str
+
+
+class Ready(_Message, frozen=True, kw_only=True):
+    """Engine → workers, published repeatedly until every worker has said ``Hello``."""
+
+    session: str
+    world_size: int
+
+
+class StepPlan(_Message, frozen=True, kw_only=True):
+    """Engine → every worker: one micro-batch.
+
+    ``freed`` lists requests whose state (block-table mirror, sampler state) workers drop
+    *before* applying ``seqs``; ``shutdown`` asks workers to exit after this step.
+    """
+
+    step_id: int
+    seqs: list[SeqPlan]
+    freed: list[str] = []
+    shutdown: bool = False
+
+
+class StepResult(_Message, frozen=True, kw_only=True):
+    """Last stage (TP rank 0) → engine: one sampled token per sampled request of a step.
+
+    ``logprobs[i]`` maps token id → logprob for ``request_ids[i]`` (the sampled token and the
+    top ``SamplingSpec.logprobs``); ``None`` when no request asked for logprobs.
+    """
+
+    step_id: int
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    stage_times: list[float] = []
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.request_ids) != len(self.token_ids):
+            raise ValueError(f"step {self.step_id}: request_ids and token_ids differ in length")
+        if self.logprobs is not None and len(self.logprobs) != len(self.request_ids):
+            raise ValueError(f"step {self.step_id}: logprobs and request_ids differ in length")
+
+
+class Heartbeat(_Message, frozen=True, kw_only=True):
+    """Liveness signal; ``t`` is the sender's ``time.time()`` (informational only)."""
+
+    rank: int
+    t: float
+
+
+class Shutdown(_Message, frozen=True, kw_only=True):
+    """Engine → workers: stop now."""
+
+    reason: str
+
+
+class WorkerError(_Message, frozen=True, kw_only=True):
+    """Worker → engine: this rank failed and is exiting."""
+
+    rank: int
+    message: str
+
+
+Message = Union[Hello, Ready, StepPlan, StepResult, Heartbeat, Shutdown, WorkerError]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize one message (msgpack)."""
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Parse one message; raise ``WireError`` on garbage, unknown types or another version."""
+    try:
+        msg = _decoder.decode(data)
+    except msgspec.DecodeError as exc:
+        # A newer peer may fail validation before its version is looked at; report the
+        # version, which is the actual cause, when it can be read.
+        _check_version(_peek_version(data))
+        raise WireError(f"malformed message: {exc}") from exc
+    _check_version(msg.version)
+    return msg
+
+
+def _peek_version(data: bytes) -> int | None:
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError:
+        return None
+    return raw.get("version") if isinstance(raw, dict) else None
+
+
+def _check_version(version: object) -> None:
+    if version is not None and version != WIRE_VERSION:
+        raise WireError(
+            f"wire version {version!r} from peer, this build speaks {WIRE_VERSION}: "
+            "engine and workers must run the same pipeserve"
+        )
+
+
+class BlockTableDiffer:
+    """Engine side: decides per request whether a plan carries its full table or a diff.
+
+    Remembers only how much of each table was sent and its last block, so a step costs O(new
+    blocks) rather than O(table). Call ``forget`` when a request finishes or is preempted (a
+    restarted request gets new blocks and must be sent in full again).
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[str, tuple[int, int]] = {}  # request id -> (length, last block)
+
+    def plan_for(
+        self, request_id: str, table: list[int]
+    ) -> tuple[list[int] | None, list[int] | None]:
+        """Return ``(full, None)`` or ``(None, diff)`` for this step's ``SeqPlan``."""
+        sent = self._sent.get(request_id)
+        if table:
+            self._sent[request_id] = (len(table), table[-1])
+        else:
+            self._sent.pop(request_id, None)
+        if sent is None or not _extends(table, sent):
+            return list(table), None
+        return None, table[sent[0]:]
+
+    def forget(self, request_id: str) -> None:
+        """Drop a request (finished, aborted or preempted); unknown ids are ignored."""
+        self._sent.pop(request_id, None)
+
+
+def _extends(table: list[int], sent: tuple[int, int]) -> bool:
+    # Block tables only grow while a request lives; anything else is sent in full, which
+    # the mirror takes as a replacement, so the two sides cannot drift apart.
+    length, last = sent
+    return len(table) >= length and table[length - 1] == last
+
+
+class BlockTableMirror:
+    """Worker side: the engine's block table of every live request, rebuilt from plans."""
+
+    def __init__(self) -> None:
+        self._tables: dict[str, list[int]] = {}
+
+    def apply(self, seq: SeqPlan) -> list[int]:
+        """Apply one ``SeqPlan``; return the request's full table (the mirror's own: read only)."""
+        if seq.block_table is not None:
+            table = self._tables[seq.request_id] = list(seq.block_table)
+            return table
+        table = self._tables.get(seq.request_id)
+        if table is None:
+            raise WireError(f"block-table diff for unknown request {seq.request_id!r}")
+        table.extend(seq.block_table_diff or ())
+        return table
+
+    def apply_plan(self, plan: StepPlan) -> list[list[int]]:
+        """Drop ``plan.freed``, then apply every seq; return their tables in ``plan.seqs`` order."""
+        self.free(plan.freed)
+        return [self.apply(seq) for seq in plan.seqs]
+
+    def free(self, request_ids: Iterable[str]) -> None:
+        """Forget requests; ids never seen (aborted before their first step) are ignored."""
+        for request_id in request_ids:
+            self._tables.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def __len__(self) -> int:
+        return len(self._tables)

@@ -1,0 +1,270 @@
+"""The ZeroMQ control plane across real processes ("spawn") and real sockets on 127.0.0.1."""
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from pipeserve.parallel.transport import (
+    EngineChannel,
+    TransportConfig,
+    TransportError,
+    TransportTimeout,
+    WorkerChannel,
+)
+from pipeserve.parallel.wire import SeqPlan, Shutdown, StepPlan, StepResult
+
+LIVENESS_S = 2.0
+EXIT_SHUTDOWN, EXIT_ENGINE_LOST, EXIT_LOST_NO_CALLBACK, EXIT_LOST_BY_MISTAKE = 0, 3, 4, 5
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def fast_config(**kw) -> TransportConfig:
+    base = dict(heartbeat_interval_s=0.2, liveness_timeout_s=LIVENESS_S,
+                handshake_timeout_s=20.0, send_timeout_s=5.0)
+    return TransportConfig(**(base | kw))
+
+
+# --- child process bodies (module level so "spawn" can import them) -----------------------
+
+
+def echo_worker(rank, world_size, plan_endpoint, result_endpoint, delay_s=0.0, connected=None,
+                busy_s=0.0):
+    """Handshake, then answer every plan with a StepResult naming this rank; exit code tells why.
+
+    ``busy_s``: time spent right after the handshake without reading plans (loading weights).
+    """
+    time.sleep(delay_s)
+    lost = threading.Event()
+    channel = WorkerChannel(fast_config(), rank=rank, world_size=world_size, stage=rank,
+                            tp_rank=0, plan_endpoint=plan_endpoint,
+                            result_endpoint=result_endpoint, on_engine_lost=lost.set)
+    try:
+        if connected is not None:
+            connected.set()
+        channel.handshake()
+        time.sleep(busy_s)
+        while channel.engine_alive():
+            msg = channel.recv_plan(timeout_s=0.1)
+            if isinstance(msg, Shutdown):
+                sys.exit(EXIT_LOST_BY_MISTAKE if lost.is_set() else EXIT_SHUTDOWN)
+            if isinstance(msg, StepPlan):
+                channel.send(StepResult(step_id=msg.step_id, request_ids=[str(rank)],
+                                        token_ids=[rank]))
+        sys.exit(EXIT_ENGINE_LOST if lost.wait(1.0) else EXIT_LOST_NO_CALLBACK)
+    finally:
+        channel.close()
+
+
+def engine_main(world_size, endpoints, handshake_done, run_s=30.0):
+    """An engine that hands out its endpoints, handshakes, then idles (heartbeating)."""
+    engine = EngineChannel(fast_config(), world_size)
+    try:
+        endpoints.put((engine.plan_endpoint, engine.result_endpoint))
+        engine.handshake()
+        handshake_done.set()
+        deadline = time.monotonic() + run_s
+        while time.monotonic() < deadline:
+            engine.recv(timeout_s=0.1)
+    finally:
+        engine.close()
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+CTX = mp.get_context("spawn")
+
+
+def start(target, *args, **kwargs) -> mp.Process:
+    proc = CTX.Process(target=target, args=args, kwargs=kwargs, daemon=True)
+    proc.start()
+    return proc
+
+
+def stop_all(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+        proc.join(timeout=3)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=3)
+
+
+def make_plan(step_id: int) -> StepPlan:
+    seq = SeqPlan(request_id=f"r{step_id}", num_computed_tokens=step_id, num_scheduled_tokens=1,
+                  new_token_ids=[step_id], block_table_diff=[], needs_sample=False, sampling=None)
+    return StepPlan(step_id=step_id, seqs=[seq])
+
+
+def collect_results(engine, count, timeout_s) -> dict[int, list[int]]:
+    """step ids echoed back, per rank, in arrival order."""
+    by_rank: dict[int, list[int]] = {}
+    deadline = time.monotonic() + timeout_s
+    while sum(map(len, by_rank.values())) < count:
+        assert time.monotonic() < deadline, f"only got {by_rank}"
+        msg = engine.recv(timeout_s=0.2)
+        if isinstance(msg, StepResult):
+            by_rank.setdefault(msg.token_ids[0], []).append(msg.step_id)
+    return by_rank
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+
+def test_staggered_workers_handshake_and_receive_every_plan_in_order():
+    engine = EngineChannel(fast_config(), world_size=3)
+    procs = []
+    try:
+        for rank, delay_s in enumerate((0.0, 0.3, 0.8)):
+            procs.append(start(echo_worker, rank, 3, engine.plan_endpoint,
+                               engine.result_endpoint, delay_s))
+        hellos = engine.handshake()
+        assert sorted(hellos) == [0, 1, 2]
+        assert {h.pid for h in hellos.values()} == {p.pid for p in procs}
+        for step_id in range(20):  # back to back: nothing may be dropped or reordered
+            engine.send_plan(make_plan(step_id))
+        by_rank = collect_results(engine, 60, timeout_s=10)
+        assert by_rank == {rank: list(range(20)) for rank in range(3)}
+        assert engine.check_liveness() == []
+        engine.send_plan(Shutdown(reason="test done"))
+        for proc in procs:
+            proc.join(timeout=5)
+            assert proc.exitcode == EXIT_SHUTDOWN
+    finally:
+        stop_all(procs)
+        engine.close()
+
+
+def test_killed_worker_is_reported_by_check_liveness():
+    engine = EngineChannel(fast_config(), world_size=2)
+    procs = []
+    try:
+        procs = [start(echo_worker, rank, 2, engine.plan_endpoint, engine.result_endpoint)
+                 for rank in range(2)]
+        engine.handshake()
+        engine.send_plan(make_plan(0))
+        collect_results(engine, 2, timeout_s=5)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        while not (dead := engine.check_liveness()):
+            assert time.monotonic() - killed_at < LIVENESS_S + 1.0, "death not noticed"
+            engine.recv(timeout_s=0.05)
+        assert dead == [1]
+        assert time.monotonic() - killed_at <= LIVENESS_S + 0.5
+    finally:
+        stop_all(procs)
+        engine.close()
+
+
+def test_worker_exits_by_itself_when_engine_is_killed():
+    endpoints, handshake_done = CTX.Queue(), CTX.Event()
+    procs = []
+    try:
+        procs.append(start(engine_main, 1, endpoints, handshake_done))
+        plan_endpoint, result_endpoint = endpoints.get(timeout=15)
+        worker = start(echo_worker, 0, 1, plan_endpoint, result_endpoint)
+        procs.append(worker)
+        assert handshake_done.wait(timeout=15)
+        time.sleep(0.5)  # a few engine heartbeats reach the worker
+        assert worker.is_alive()
+        os.kill(procs[0].pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        worker.join(timeout=LIVENESS_S + 4.0)
+        assert worker.exitcode == EXIT_ENGINE_LOST, "worker did not notice the engine's death"
+        # Detection happens at LIVENESS_S; the rest is the worker closing its sockets and exiting.
+        assert time.monotonic() - killed_at < LIVENESS_S + 3.0
+    finally:
+        stop_all(procs)
+
+
+def test_handshake_timeout_names_missing_rank_and_keeps_early_workers_alive():
+    # Longer than the liveness timeout: rank 0, busy right after its handshake, must keep
+    # hearing engine heartbeats while the engine still waits for rank 1.
+    engine = EngineChannel(fast_config(handshake_timeout_s=LIVENESS_S + 1.0), world_size=2)
+    connected = CTX.Event()
+    procs = []
+    try:
+        procs.append(start(echo_worker, 0, 2, engine.plan_endpoint, engine.result_endpoint,
+                           connected=connected, busy_s=LIVENESS_S + 1.0))
+        assert connected.wait(timeout=15)  # rank 0 is up; rank 1 never comes
+        with pytest.raises(TransportTimeout, match=r"rank\(s\) \[1\] of 2"):
+            engine.handshake()
+        assert sorted(engine.hellos) == [0]
+        engine.send_plan(Shutdown(reason="handshake failed"))
+        procs[0].join(timeout=5)
+        assert procs[0].exitcode == EXIT_SHUTDOWN
+    finally:
+        stop_all(procs)
+        engine.close()
+
+
+def test_worker_handshake_times_out_without_engine():
+    channel = WorkerChannel(fast_config(handshake_timeout_s=0.3), rank=0, world_size=1, stage=0,
+                            tp_rank=0, plan_endpoint="tcp://127.0.0.1:9",
+                            result_endpoint="tcp://127.0.0.1:9")
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransportTimeout, match="no Ready"):
+            channel.handshake()
+        assert time.monotonic() - started < 2.0
+        assert channel.recv_plan(timeout_s=0.05) is None
+    finally:
+        channel.close()
+
+
+def test_world_size_mismatch_is_rejected():
+    engine = EngineChannel(fast_config(handshake_timeout_s=10), world_size=1)
+    procs = []
+    try:
+        procs.append(start(echo_worker, 1, 2, engine.plan_endpoint, engine.result_endpoint))
+        started = time.monotonic()
+        with pytest.raises(TransportError, match="rank 1 failed during start-up.*world_size 2"):
+            engine.handshake()
+        assert time.monotonic() - started < 8.0  # the worker's WorkerError, not the timeout
+    finally:
+        stop_all(procs)
+        engine.close()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "*", "::"])
+def test_all_interfaces_needs_explicit_opt_in(host):
+    with pytest.raises(ValueError, match="allow_all_interfaces"):
+        TransportConfig(host=host)
+    assert TransportConfig(host=host, allow_all_interfaces=True).host == host
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"plan_port": -1},
+        {"result_port": 70000},
+        {"heartbeat_interval_s": 0},
+        {"liveness_timeout_s": 0.5, "heartbeat_interval_s": 1.0},
+        {"handshake_timeout_s": -1},
+    ],
+)
+def test_config_validation(kwargs):
+    with pytest.raises(ValueError):
+        TransportConfig(**kwargs)
+
+
+def test_endpoints_are_loopback_and_fixed_ports_are_honoured():
+    engine = EngineChannel(TransportConfig(), world_size=1)
+    try:
+        assert engine.plan_endpoint.startswith("tcp://127.0.0.1:")
+        assert engine.result_endpoint.startswith("tcp://127.0.0.1:")
+        assert engine.plan_endpoint != engine.result_endpoint
+        port = int(engine.plan_endpoint.rsplit(":", 1)[1])
+    finally:
+        engine.close()
+    fixed = EngineChannel(TransportConfig(plan_port=port), world_size=1)
+    try:
+        assert fixed.plan_endpoint.endswith(f":{port}")
+    finally:
+        fixed.close()
