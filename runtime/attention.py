@@ -1,0 +1,167 @@
+"""Paged attention over a packed mixed batch, in plain torch.
+
+A batch packs T new tokens from S sequences (see ``AttentionMetadata``). Sequence i's
+``q_len`` queries are the LAST q_len positions of its ``seq_len``-long context: query j sits at
+absolute position ``seq_len - q_len + j`` and attends to every position <= that (its cached
+prefix plus the causal part of its own chunk). Heads are grouped (GQA): query head h reads
+KV head ``h // (num_heads // num_kv_heads)``, as in HF's ``repeat_kv``.
+
+This is the torch reference that CPU runs use; a Triton kernel with the same signature will
+replace ``paged_attention`` on GPU. Decodes (q_len == 1) run together as one padded, masked
+batch; prefill chunks run one sequence at a time through SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipeserve.runtime.attention_metadata import AttentionMetadata
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store the new tokens' K/V at their cache slots (slot = block_id * block_size + offset)."""
+    # k, v: [T, kvh, d]; kv_cache: [2, num_blocks, block_size, kvh, d]; slot_mapping: [T]
+    _, num_blocks, block_size, kvh, d = kv_cache.shape
+    kv_flat = kv_cache.view(2, num_blocks * block_size, kvh, d)  # [2, num_slots, kvh, d]
+    kv_flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached context; returns [T, h, d].
+
+    The new tokens' K/V must already be in ``kv_cache`` (``write_kv`` first).
+    """
+    # q: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
+    assert q.shape[1] % kv_cache.shape[3] == 0, "num_heads must be a multiple of num_kv_heads"
+    starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
+    out = torch.empty_like(q)
+    decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
+    if decodes:
+        _decode_batch(q, kv_cache, meta, decodes, scale, out)
+    for i, q_len in enumerate(q_lens):
+        if q_len > 1:
+            start, end = starts[i], starts[i + 1]
+            out[start:end] = _prefill_one(
+                q[start:end], kv_cache, meta.block_tables[i], seq_lens[i], meta.block_size, scale
+            )
+    return out
+
+
+def _decode_batch(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    decodes: list[int],
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """All single-token sequences at once: gather their blocks, pad to the longest, mask."""
+    first, n = decodes[0], len(decodes)
+    if decodes == list(range(first, first + n)):
+        # The common case (schedulers put decodes together): slices, no host-to-device copy.
+        token_idx = slice(meta.query_start_loc_cpu[first], meta.query_start_loc_cpu[first] + n)
+        seq_idx = slice(first, first + n)
+    else:
+        token_idx = torch.tensor([meta.query_start_loc_cpu[i] for i in decodes], device=q.device)
+        seq_idx = torch.tensor(decodes, device=q.device)
+    max_seq_len = max(meta.seq_lens_cpu[i] for i in decodes)
+    out[token_idx] = _decode_attention(
+        q[token_idx],
+        kv_cache,
+        meta.block_tables[seq_idx],
+        meta.seq_lens[seq_idx],
+        max_seq_len,
+        scale,
+    )
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    # q: [S, h, d]; block_tables: [S, max_blocks]; seq_lens: [S]
+    S, h, d = q.shape
+    _, _, block_size, kvh, _ = kv_cache.shape
+    num_blocks = -(-max_seq_len // block_size)
+    L = num_blocks * block_size
+    blocks = block_tables[:, :num_blocks].long()  # [S, num_blocks]
+    k = kv_cache[0][blocks].view(S, L, kvh, d)  # [S, L, kvh, d]
+    v = kv_cache[1][blocks].view(S, L, kvh, d)  # [S, L, kvh, d]
+    # Fold each KV head's group of g query heads into g query rows: no K/V repeat for GQA.
+    # SDPA keeps scores and softmax in float32 for half-precision inputs.
+    qg = q.reshape(S, kvh, h // kvh, d)  # [S, kvh, g, d]
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [S, kvh, L, d] each
+    positions = torch.arange(L, device=q.device)  # [L]
+    valid = positions[None, :] < seq_lens[:, None]  # [S, L], False past each context
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return o.reshape(S, h, d)  # [S, kvh, g, d] -> [S, h, d]
+
+
+def _prefill_one(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence's chunk of q_len > 1 queries over its seq_len-long context."""
+    # q: [q_len, h, d]; block_table: [max_blocks]
+    q_len, h, d = q.shape
+    kvh = kv_cache.shape[3]
+    blocks = block_table[: -(-seq_len // block_size)].long()  # [num_blocks]
+    k = kv_cache[0][blocks].view(-1, kvh, d)[:seq_len]  # [seq_len, kvh, d]
+    v = kv_cache[1][blocks].view(-1, kvh, d)[:seq_len]  # [seq_len, kvh, d]
+    k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, seq_len, d]
+    v = v.transpose(0, 1).unsqueeze(0)  # [1, kvh, seq_len, d]
+    if q_len == seq_len:  # whole prompt: plain causal, any SDPA backend applies
+        qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
+        o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)  # [q_len, h, d]
+    # Chunk over a cached prefix: SDPA's is_causal aligns top-left, we need bottom-right, so
+    # pass the mask. Fold each KV head's query group into the rows (no K/V repeat needed).
+    g = h // kvh
+    qf = q.reshape(q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * q_len, d)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+    k_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
+    mask = (k_pos[None, :] <= q_pos[:, None]).repeat(g, 1)  # [g * q_len, seq_len]
+    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    # o: [1, kvh, g * q_len, d]
+    return o.view(kvh, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
+
+
+def attention_reference(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Naive float64 per-sequence loop, slot by slot; for tests only. Returns [T, h, d] float64."""
+    # q: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
+    T, h, d = q.shape
+    kvh, bs = kv_cache.shape[3], meta.block_size
+    k_slots = kv_cache[0].reshape(-1, kvh, d).double().cpu()  # [num_slots, kvh, d]
+    v_slots = kv_cache[1].reshape(-1, kvh, d).double().cpu()
+    block_tables = meta.block_tables.cpu().long()
+    out = torch.zeros(T, h, d, dtype=torch.float64)
+    for i in range(meta.num_seqs):
+        start, end = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+        seq_len, q_len = meta.seq_lens_cpu[i], end - start
+        pos = torch.arange(seq_len)
+        slots = block_tables[i][pos // bs] * bs + pos % bs  # [seq_len]
+        k = k_slots[slots].repeat_interleave(h // kvh, dim=1)  # [seq_len, h, d]
+        v = v_slots[slots].repeat_interleave(h // kvh, dim=1)  # [seq_len, h, d]
+        qi = q[start:end].double().cpu()  # [q_len, h, d]
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale  # [h, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len)
+        scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    return out

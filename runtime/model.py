@@ -1,0 +1,388 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2), for packed paged-KV serving.
+
+Tokens arrive flat: a micro-batch is T tokens from several sequences, with no batch dimension
+and no padding; ``AttentionMetadata`` says which tokens belong to which sequence and where
+their K/V live. A module holds the decoder layers [start_layer, end_layer) of one pipeline
+stage, plus the embedding on the first stage and the final norm + LM head on the last.
+
+Between stages travels one tensor, the residual stream [T, H] after the stage's last layer
+(inside a stage, layers pass ``(x, residual)`` so that RMSNorm can fuse the residual add).
+
+q/k/v and gate/up are fused into one projection each (one GEMM instead of three/two);
+``load_weights`` maps HF's separate tensors into their row ranges. Modules come in reading
+order: RMSNorm, RoPE, attention, MLP, decoder layer, model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeserve.runtime.attention import paged_attention, write_kv
+from pipeserve.runtime.attention_metadata import AttentionMetadata
+from pipeserve.runtime.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32, cast back before the weight multiply (as HF Llama does)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual): the normed input and the new residual."""
+        # x, residual: [T, H]
+        if residual is not None:
+            x = x + residual
+        residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype), residual
+
+
+# --- RoPE ---------------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, with Llama-3 or linear scaling,
+    computed exactly as transformers' ``_compute_llama3_parameters`` /
+    ``_compute_linear_scaling_rope_parameters``."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    assert scaling["rope_type"] == "llama3", scaling
+    factor = scaling["factor"]
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the
+    # band between interpolated smoothly.
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, inv_freq_llama)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX / rotate-half RoPE, as HF Llama (dimension i pairs with i + head_dim / 2)."""
+    # x: [T, nh, d]; cos, sin: [T, d]
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position_embeddings, kept in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)  # [max_pos, d] float32
+        self.register_buffer("sin", sin, persistent=False)  # [max_pos, d] float32
+
+    def _tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.config).to(device)  # [d/2]
+        positions = torch.arange(self.config.max_position_embeddings, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, d]
+        return emb.cos(), emb.sin()
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) would round the tables; rebuild them in float32 instead.
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32 and self.cos.device.type != "meta":
+            self.cos, self.sin = self._tables(self.cos.device)
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d] for positions [T], cast to the activations' dtype (as HF does)."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+# --- decoder ------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with a fused qkv projection over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        # HF projection -> (our fused projection, the rows of it that hold HF's).
+        q, kv = self.q_size, self.kv_size
+        self.hf_shards = {
+            "q_proj": ("qkv_proj", slice(0, q)),
+            "k_proj": ("qkv_proj", slice(q, q + kv)),
+            "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
+        }
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, h, d]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        o = paged_attention(q, kv_cache, meta, self.scale)  # [T, h, d]
+        return self.o_proj(o.reshape(T, self.q_size))  # [T, H]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.hf_shards = {  # HF projection -> (our fused projection, its rows)
+            "gate_proj": ("gate_up_proj", slice(0, inter)),
+            "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        }
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)  # [T, H]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pre-norm block; the residual stream is ``x + residual`` on entry and exit."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder layers [start_layer, end_layer) of a Llama-family model (one pipeline stage).
+
+    Holds ``embed_tokens`` only when start_layer == 0 and ``norm`` + ``lm_head`` only when
+    end_layer == num_hidden_layers; ``layers[j]`` is global layer ``start_layer + j``.
+    """
+
+    def __init__(
+        self, config: ModelConfig, *, start_layer: int = 0, end_layer: int | None = None
+    ) -> None:
+        super().__init__()
+        num_layers = config.num_hidden_layers
+        end_layer = num_layers if end_layer is None else end_layer
+        if not 0 <= start_layer <= end_layer <= num_layers:
+            raise ValueError(
+                f"need 0 <= start_layer <= end_layer <= {num_layers}, "
+                f"got [{start_layer}, {end_layer})"
+            )
+        self.config = config
+        self.start_layer, self.end_layer = start_layer, end_layer
+        self.embed_tokens = (
+            nn.Embedding(config.vocab_size, config.hidden_size) if start_layer == 0 else None
+        )
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(start_layer, end_layer))
+        self.norm = self.lm_head = None
+        if end_layer == num_layers:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            if config.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run this stage on T packed tokens; returns [T, H].
+
+        input_ids [T] on the first stage, else hidden_states [T, H] (the previous stage's
+        output); positions [T]; kv_caches: one per layer held. The output is final-normed on
+        the last stage, else the residual stream for the next stage.
+        """
+        if self.embed_tokens is not None:
+            if input_ids is None:
+                raise ValueError("the first stage needs input_ids")
+            x = self.embed_tokens(input_ids)  # [T, H]
+        else:
+            if hidden_states is None:
+                raise ValueError("a stage after the first needs hidden_states")
+            x = hidden_states  # [T, H]
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, d] each
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        if self.norm is not None:
+            x, _ = self.norm(x, residual)
+        elif residual is not None:
+            x = x + residual
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final-normed hidden states -> [N, V] float32 logits (last stage only)."""
+        assert self.lm_head is not None, "compute_logits needs the last stage"
+        return self.lm_head(hidden).float()
+
+    # --- weights --------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (converting dtype/device), skipping what this stage does
+        not hold. The LM head falls back to the embedding when tied or absent. Raises
+        ValueError listing missing, unexpected or misshapen parameters."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        errors: list[str] = []
+        with torch.no_grad():
+            for hf_name, tensor in weights:
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue
+                # A real lm_head.weight wins over the embedding, whichever comes first.
+                if (
+                    hf_name == "model.embed_tokens.weight"
+                    and self._head_reads_embedding()
+                    and "lm_head.weight" not in loaded
+                ):
+                    self._copy(params["lm_head.weight"], None, tensor, hf_name, errors)
+                    loaded.add("lm_head.weight")
+                target = self._target(hf_name)
+                if target is None:
+                    continue
+                name, rows = target
+                if name not in params:
+                    errors.append(f"unexpected parameter {hf_name}")
+                    continue
+                self._copy(params[name], rows, tensor, hf_name, errors)
+                loaded.add(hf_name)
+        missing = sorted(self.expected_weight_names() - loaded)
+        if missing:
+            errors.append(f"missing parameters: {', '.join(missing)}")
+        if errors:
+            raise ValueError("load_weights failed:\n  " + "\n  ".join(errors))
+
+    def expected_weight_names(self) -> set[str]:
+        """HF names this module needs (a separate ``lm_head.weight`` may come from the
+        embedding; a shared one is the embedding)."""
+        names = set()
+        if self.embed_tokens is not None:
+            names.add("model.embed_tokens.weight")
+        if self.lm_head is not None:
+            names.add("model.norm.weight")
+            if self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight:
+                names.add("lm_head.weight")
+        for i in range(self.start_layer, self.end_layer):
+            prefix = f"model.layers.{i}."
+            names |= {
+                prefix + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
+            }
+            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
+            names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+            if self.config.attention_bias:
+                names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
+            if self.config.o_proj_bias:
+                names.add(f"{prefix}self_attn.o_proj.bias")
+        return names
+
+    def _head_reads_embedding(self) -> bool:
+        """The embedding is copied into a separate lm_head (tied across stages, or a
+        checkpoint without lm_head.weight: a later lm_head.weight overwrites it)."""
+        if self.lm_head is None:
+            return False
+        return self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight
+
+    def _target(self, hf_name: str) -> tuple[str, slice | None] | None:
+        """(our parameter name, its rows for a fused projection) for an HF name; None when
+        this stage does not hold it. Unknown names map to a name absent from the module."""
+        if hf_name == "lm_head.weight" or hf_name.startswith("model.norm."):
+            return None if self.lm_head is None else (hf_name.removeprefix("model."), None)
+        if hf_name.startswith("model.embed_tokens."):
+            return None if self.embed_tokens is None else (hf_name.removeprefix("model."), None)
+        parts = hf_name.split(".")
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return hf_name, None
+        layer = int(parts[2])
+        if not self.start_layer <= layer < self.end_layer:
+            return None
+        prefix = f"layers.{layer - self.start_layer}"
+        # e.g. model.layers.3.self_attn.q_proj.bias -> layers.1.self_attn.qkv_proj.bias, rows
+        module = getattr(self.layers[layer - self.start_layer], parts[3], None)
+        shards = getattr(module, "hf_shards", {})
+        if len(parts) == 6 and parts[4] in shards:
+            fused, rows = shards[parts[4]]
+            return f"{prefix}.{parts[3]}.{fused}.{parts[5]}", rows
+        return f"{prefix}.{'.'.join(parts[3:])}", None
+
+    @staticmethod
+    def _copy(
+        param: torch.Tensor,
+        rows: slice | None,
+        tensor: torch.Tensor,
+        hf_name: str,
+        errors: list[str],
+    ) -> None:
+        target = param.data if rows is None else param.data[rows]
+        if target.shape != tensor.shape:
+            errors.append(
+                f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
+                f"!= model shape {tuple(target.shape)}"
+            )
+            return
+        target.copy_(tensor)

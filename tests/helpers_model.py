@@ -1,0 +1,183 @@
+"""Builders for model / attention tests: tiny random HF checkpoints, attention metadata, and a
+small driver that runs a model through the paged KV cache the way the engine will.
+
+Import from a test file with ``tests/`` on ``sys.path`` (see the top of
+``tests/unit/test_model_parity.py``).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from pipeserve.runtime.attention_metadata import AttentionMetadata
+from pipeserve.runtime.kv_cache import allocate_kv_cache
+from pipeserve.runtime.model import LlamaForCausalLM
+
+# Every kind is hidden 64, 4 heads / 2 KV heads (GQA), head_dim 16, vocab 256.
+TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "qwen2", "mistral")
+
+_TINY_SHAPE = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_hf_config(kind: str, **overrides):
+    """A transformers config for one of TINY_KINDS."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    shape = {**_TINY_SHAPE, **overrides}
+    if kind == "llama":
+        return LlamaConfig(**shape, tie_word_embeddings=False)
+    if kind == "llama_tied":
+        return LlamaConfig(**shape, tie_word_embeddings=True)
+    if kind == "llama3_rope":  # original context 32 < prompt, so scaled frequencies matter
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        }
+        return LlamaConfig(**shape, rope_scaling=scaling)
+    if kind == "llama_linear_rope":
+        return LlamaConfig(**shape, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    if kind == "qwen2":  # q/k/v biases, tied like Qwen2-0.5B
+        return Qwen2Config(**shape, tie_word_embeddings=True)
+    if kind == "mistral":
+        return MistralConfig(**shape, sliding_window=None)
+    raise ValueError(f"unknown tiny model kind {kind!r}")
+
+
+def write_tiny_checkpoint(
+    tmp_path: Path, kind: str, *, seed: int = 0, std: float = 0.1, dtype=torch.float32, **overrides
+) -> Path:
+    """Save a random transformers model of ``kind`` (safetensors) under tmp_path; returns the
+    folder. Every weight is redrawn (N(0, std); norms 1 + N(0, std)), biases included, so that
+    logits differ meaningfully and every tensor's loading is exercised."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(kind, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0.0, std)
+            if "norm" in name:
+                p.add_(1.0)
+    folder = Path(tmp_path) / kind
+    model.to(dtype).save_pretrained(folder)
+    return folder
+
+
+def load_hf_reference(folder: Path, *, dtype=torch.float32, device="cpu"):
+    """The transformers model for a checkpoint, eager attention (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """[len(token_ids), V] float32 logits of one sequence."""
+    device = next(hf_model.parameters()).device
+    return hf_model(torch.tensor([token_ids], device=device)).logits[0].float()
+
+
+def make_metadata(
+    seqs: list[tuple[int, int]],
+    block_tables: list[list[int]],
+    block_size: int,
+    device="cpu",
+) -> AttentionMetadata:
+    """Metadata for sequences given as (q_len, seq_len): each one's new tokens are the last
+    q_len of its seq_len positions, stored through its block table."""
+    query_start_loc, slots = [0], []
+    for (q_len, seq_len), table in zip(seqs, block_tables, strict=True):
+        assert 0 < q_len <= seq_len <= len(table) * block_size
+        query_start_loc.append(query_start_loc[-1] + q_len)
+        positions = range(seq_len - q_len, seq_len)
+        slots += [table[p // block_size] * block_size + p % block_size for p in positions]
+    max_blocks = max(len(t) for t in block_tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+    seq_lens = [seq_len for _, seq_len in seqs]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        block_size=block_size,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+class PagedRunner:
+    """Runs a whole (single-stage) model over the paged cache, the way the engine will:
+    each sequence gets blocks from a shuffled free list (so tables are non-contiguous), and
+    ``step`` packs several sequences' new tokens into one forward."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        *,
+        num_blocks: int = 64,
+        block_size: int = 16,
+        seed: int = 0,
+        device="cpu",
+    ) -> None:
+        param = next(model.parameters())
+        self.model, self.block_size, self.device = model, block_size, device
+        self.kv_caches = allocate_kv_cache(
+            model.config,
+            num_layers=len(model.layers),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            dtype=param.dtype,
+            device=device,
+        )
+        self.free_blocks = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free_blocks)
+        self.block_tables: dict[int, list[int]] = {}
+        self.num_tokens: dict[int, int] = {}
+
+    @torch.no_grad()
+    def step(self, chunks: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """One packed forward over (seq_id, new token ids) chunks; returns each chunk's
+        logits [len(chunk), V] float32."""
+        seqs, tables, ids, positions = [], [], [], []
+        for seq_id, tokens in chunks:
+            start = self.num_tokens.get(seq_id, 0)
+            seq_len = start + len(tokens)
+            table = self.block_tables.setdefault(seq_id, [])
+            while len(table) * self.block_size < seq_len:
+                table.append(self.free_blocks.pop())
+            self.num_tokens[seq_id] = seq_len
+            seqs.append((len(tokens), seq_len))
+            tables.append(table)
+            ids += tokens
+            positions += range(start, seq_len)
+        meta = make_metadata(seqs, tables, self.block_size, self.device)
+        hidden = self.model(
+            torch.tensor(ids, device=self.device),
+            torch.tensor(positions, device=self.device),
+            self.kv_caches,
+            meta,
+        )
+        logits = self.model.compute_logits(hidden)
+        return list(logits.split([len(tokens) for _, tokens in chunks]))
