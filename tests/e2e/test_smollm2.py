@@ -36,13 +36,15 @@ def loaded():
     return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
 
 
-def make_llm(loaded, *, budget: int = 512, block_size: int = 16, num_kv_blocks: int = 512, **sched) -> LLM:
+def make_llm(
+    loaded, *, budget: int = 512, block_size: int = 16, num_kv_blocks: int = 512, max_model_len: int = 2048, **sched
+) -> LLM:
     config = EngineConfig(
         device="cpu",
         dtype="float32",
         block_size=block_size,
         num_kv_blocks=num_kv_blocks,
-        max_model_len=2048,
+        max_model_len=max_model_len,
         scheduler=SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=64, **sched),
     )
     return LLM.from_config(config, loaded=loaded)
@@ -81,7 +83,8 @@ def test_kv_exhaustion_preempts_and_recovers(loaded):
     big = make_llm(loaded, budget=256)
     expected = [o.outputs[0].token_ids for o in big.generate(prompts, params)]
 
-    small = make_llm(loaded, budget=256, num_kv_blocks=24)  # ~3 blocks a request: 32 need ~96
+    # ~3 blocks a request, so 32 at once need ~96; max_model_len=128 lets one fit alone (8 blocks).
+    small = make_llm(loaded, budget=256, num_kv_blocks=24, max_model_len=128)
     outs = small.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == expected
     sched = small.engine.scheduler
@@ -104,7 +107,7 @@ def test_bad_requests_raise_and_engine_survives(loaded, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([PROMPTS[0], prompt], params)
     assert not llm.engine.has_unfinished_requests(), "a rejected batch must queue nothing"
-    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=4))
+    out = llm.generate(PROMPTS[3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
 
 
