@@ -54,8 +54,9 @@ def write_model_folder(folder: str, tokenizer_json: str, *, num_layers: int, wit
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     shutil.copy(tokenizer_json, os.path.join(folder, "tokenizer.json"))
-    if with_weights:
-        _hf_model(folder).save_pretrained(folder, safe_serialization=True)
+    if with_weights:  # in a child process, so the parent holds no GPU memory while peers run
+        code = "import sys; from pipeserve.launch.bench_peers import _hf_model; _hf_model(sys.argv[1]).save_pretrained(sys.argv[1])"
+        subprocess.run([sys.executable, "-c", code, folder], check=True)
 
 
 def _hf_model(folder: str):
@@ -63,10 +64,9 @@ def _hf_model(folder: str):
     from transformers import AutoConfig, LlamaForCausalLM
 
     config = AutoConfig.from_pretrained(folder)
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, torch_dtype=torch.bfloat16)
+        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval()
 
 
