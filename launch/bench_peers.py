@@ -122,6 +122,8 @@ def run_transformers(folder: str, prompts: list[list[int]], output_len: int, arg
 
 
 def run_fastgen(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder chokes on '9.0a'
+    os.environ.setdefault("LOCAL_SIZE", "1")
     try:
         import mii
     except ImportError:
