@@ -54,6 +54,9 @@ def write_model_folder(folder: str, tokenizer_json: str, *, num_layers: int, wit
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     shutil.copy(tokenizer_json, os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:  # FastGen needs an EOS token
+        json.dump({"tokenizer_class": "GPT2TokenizerFast", "bos_token": "<|endoftext|>",
+                   "eos_token": "<|endoftext|>", "add_bos_token": False}, f)
     if with_weights:  # in a child process, so the parent holds no GPU memory while peers run
         code = "import sys; from pipeserve.launch.bench_peers import _hf_model; _hf_model(sys.argv[1]).save_pretrained(sys.argv[1])"
         subprocess.run([sys.executable, "-c", code, folder], check=True)
