@@ -5,7 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.config import EngineConfig, ParallelConfig
 from pipeserve.runtime.llm import LLM
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.scheduler import SchedulerConfig
@@ -13,17 +13,18 @@ from pipeserve.scheduler import SchedulerConfig
 
 def engine_config(cfg: DictConfig) -> EngineConfig:
     """Hydra selects and overrides; the code receives validated dataclasses."""
-    if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
-        raise ValueError("parallel.tp/parallel.pp > 1 need the distributed runtime (not in this build)")
     return EngineConfig(
         model=cfg.model.path,
         scheduler=SchedulerConfig(**OmegaConf.to_container(cfg.scheduler, resolve=True)),
+        parallel=ParallelConfig(**OmegaConf.to_container(cfg.parallel, resolve=True)),
         **OmegaConf.to_container(cfg.engine, resolve=True),
     )
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="generate")
 def main(cfg: DictConfig) -> None:
+    # With parallel.tp × parallel.pp > 1 this process is the engine and starts the torchrun
+    # workers itself; they stop when the LLM closes.
     llm = LLM.from_config(engine_config(cfg))
     params = SamplingParams(**OmegaConf.to_container(cfg.sampling, resolve=True))
     prompts = list(cfg.prompts)
@@ -31,6 +32,7 @@ def main(cfg: DictConfig) -> None:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
     else:
         outputs = llm.generate(prompts, params)
+    llm.close()
     for prompt, out in zip(prompts, outputs):
         print(f"### {prompt}\n{out.outputs[0].text}\n")
 

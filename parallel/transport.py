@@ -191,16 +191,20 @@ class EngineChannel:
         sock.bind(f"{address}:{port}")
         return port
 
-    def handshake(self) -> dict[int, Hello]:
+    def handshake(self, failed: Callable[[], str | None] | None = None) -> dict[int, Hello]:
         """Wait until every rank has said ``Hello``; return the hellos by rank.
 
         Raises ``TransportTimeout`` naming the missing ranks after ``handshake_timeout_s``,
-        and ``TransportError`` if a worker reports an error or a wrong world size.
+        and ``TransportError`` if a worker reports an error or a wrong world size, or if
+        ``failed()`` (polled while waiting, e.g. "did the worker processes exit?") returns a
+        reason.
         """
         deadline = time.monotonic() + self.config.handshake_timeout_s
         ready = [_PLAN_TOPIC, encode(Ready(session=self.session, world_size=self.world_size))]
         next_ready = 0.0
         while len(self.hellos) < self.world_size:
+            if failed is not None and (reason := failed()):
+                raise TransportError(f"workers failed during start-up: {reason}")
             now = time.monotonic()
             if now >= deadline:
                 missing = sorted(set(range(self.world_size)) - set(self.hellos))
@@ -321,12 +325,14 @@ class WorkerChannel:
         plan_endpoint: str,
         result_endpoint: str,
         on_engine_lost: Callable[[], None] | None = None,
+        num_kv_blocks: int = 0,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.config = config
         self.hello = Hello(rank=rank, world_size=world_size, stage=stage, tp_rank=tp_rank,
-                           pid=os.getpid(), hostname=socket.gethostname())
+                           pid=os.getpid(), hostname=socket.gethostname(),
+                           num_kv_blocks=num_kv_blocks)
         self.plan_endpoint = plan_endpoint
         self.result_endpoint = result_endpoint
         self.session: str | None = None

@@ -17,7 +17,7 @@ full table from them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
@@ -47,6 +47,8 @@ class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     min_p: float
     seed: int | None
     logprobs: int | None
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
 
 
 class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -66,6 +68,7 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     block_table: list[int] | None = None
     needs_sample: bool
     sampling: SamplingSpec | None
+    num_output_tokens: int = 0  # so the sampler can hold EOS back until min_tokens
 
     def __post_init__(self) -> None:
         # Raised inside decode() too, where msgspec turns it into a ValidationError.
@@ -89,6 +92,7 @@ class Hello(_Message, frozen=True, kw_only=True):
     tp_rank: int
     pid: int
     hostname: str
+    num_kv_blocks: int = 0  # KV blocks this rank can hold (all ranks agree: a min all-reduce)
 
 
 class Ready(_Message, frozen=True, kw_only=True):
@@ -152,7 +156,40 @@ class WorkerError(_Message, frozen=True, kw_only=True):
     message: str
 
 
-Message = Union[Hello, Ready, StepPlan, StepResult, Heartbeat, Shutdown, WorkerError]
+class AddRequest(_Message, frozen=True, kw_only=True):
+    """Client (offline LLM, HTTP frontend) → engine: one sequence to generate.
+
+    ``params`` holds ``SamplingParams`` fields by name; the engine validates them again."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None = None
+    params: dict[str, Any] = {}
+
+
+class AbortRequest(_Message, frozen=True, kw_only=True):
+    """Client → engine: stop a request and free its KV blocks."""
+
+    request_id: str
+
+
+class RequestUpdate(_Message, frozen=True, kw_only=True):
+    """Engine → client: a request's output so far (``finish_reason`` set when it ended;
+    "error" with ``error`` when it was rejected or its workers failed)."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    error: str | None = None
+
+
+Message = Union[
+    Hello, Ready, StepPlan, StepResult, Heartbeat, Shutdown, WorkerError,
+    AddRequest, AbortRequest, RequestUpdate,
+]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

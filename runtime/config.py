@@ -20,6 +20,41 @@ _DTYPES = {
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel ranks per pipeline stage."""
+    pp: int = 1
+    """Pipeline stages."""
+    num_microbatches_in_flight: int | None = None
+    """Micro-batches in the pipeline at once; None = pp."""
+    stage_layers: list[int] | None = None
+    """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers)."""
+    host: str = "127.0.0.1"
+    """Address the engine binds its ZeroMQ sockets to (the rendezvous host's interface on
+    multi-node runs; never all interfaces)."""
+    liveness_timeout_s: float = 10.0
+    """A worker silent this long is declared dead; workers exit when the engine is."""
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"parallel.tp and parallel.pp must be >= 1, got tp={self.tp} pp={self.pp}")
+        if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight < 1:
+            raise ValueError("num_microbatches_in_flight must be >= 1")
+        if self.stage_layers is not None and len(self.stage_layers) != self.pp:
+            raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
+        if not 0 < self.liveness_timeout_s <= 30:
+            raise ValueError("liveness_timeout_s must be in (0, 30]")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def depth(self) -> int:
+        return self.num_microbatches_in_flight or self.pp
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class EngineConfig:
     model: str | None = None
     """Hugging Face folder or .gguf file; None = the embedded SmolLM2-135M-Instruct GGUF."""
@@ -41,7 +76,10 @@ class EngineConfig:
     """Longest prompt + output; None = the model's context length."""
     seed: int = 0
     """Seed of the global generator (requests without their own seed draw from it)."""
+    record_steps: bool = False
+    """Keep a record of every micro-batch (what ran, what else was in flight) for analysis."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -71,3 +109,19 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+
+def engine_config_to_dict(config: EngineConfig) -> dict:
+    """Plain data (for the workers' environment; JSON, never pickle)."""
+    import dataclasses
+
+    return dataclasses.asdict(config)
+
+
+def engine_config_from_dict(d: dict) -> EngineConfig:
+    d = dict(d)
+    return EngineConfig(
+        scheduler=SchedulerConfig(**d.pop("scheduler")),
+        parallel=ParallelConfig(**d.pop("parallel")),
+        **d,
+    )

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from pipeserve.runtime.batch import StepInputs
-from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
+from pipeserve.runtime.executor import (
+    DistributedExecutor,
+    LocalExecutor,
+    SampleRequest,
+    WorkerFailure,
+    launch_torchrun,
+)
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from pipeserve.runtime.loader import LoadedModel, load_model
+from pipeserve.runtime.loader import LoadedModel, load_model, read_config_and_tokenizer
 from pipeserve.runtime.model_runner import ModelRunner
 from pipeserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pipeserve.runtime.sampler import make_generator
@@ -47,7 +55,26 @@ class _RequestState:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One submitted micro-batch: (request id, first position, tokens, samples?) per sequence,
+    and the step ids in flight at submission (this one included)."""
+
+    step_id: int
+    submitted_at: float
+    seqs: tuple[tuple[str, int, int, bool], ...]
+    in_flight: tuple[int, ...]
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput, in_flight) -> StepRecord:
+        seqs = tuple(
+            (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.needs_sample) for s in plan.scheduled
+        )
+        return cls(plan.step_id, time.monotonic(), seqs, tuple(p.step_id for p in in_flight))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,38 +89,46 @@ class EngineState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None) -> None:
-        """`loaded` reuses a model already in memory (sweeps and tests build several engines)."""
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None, launch=None) -> None:
+        """`loaded` reuses a model already in memory (sweeps and tests build several engines);
+        `launch(plan_endpoint, result_endpoint)` starts tp×pp workers (default: a torchrun)."""
         self.config = config
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         torch.manual_seed(config.seed)
-        if loaded is None:
-            loaded = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format)
-        self.model_config = loaded.config
-        self.tokenizer = loaded.tokenizer
-        max_model_len = _resolve_max_model_len(config.max_model_len, loaded.config.max_position_embeddings)
-        num_blocks = config.num_kv_blocks or _num_kv_blocks(config, loaded.config, dtype, device)
+        if config.parallel.world_size == 1:
+            if loaded is None:
+                loaded = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format)
+            model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        else:
+            model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
+        self.model_config = model_config
+        eos = tuple(model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
+        if config.parallel.world_size == 1:
+            num_blocks = config.num_kv_blocks or _num_kv_blocks(config, model_config, dtype, device)
+            self.executor = LocalExecutor(_local_runner(loaded, config, num_blocks, dtype, device), eos)
+        else:
+            self.executor = _distributed_executor(config, launch)
+            num_blocks = self.executor.num_kv_blocks
         self.state = EngineState(
-            device=device,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            num_kv_blocks=num_blocks,
-            eos_token_ids=tuple(loaded.config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids),
+            device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
+            eos_token_ids=eos,
         )
-        kv_caches = allocate_kv_cache(
-            loaded.config,
-            num_layers=loaded.config.num_hidden_layers,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            dtype=dtype,
-            device=device,
-        )
-        self.runner = ModelRunner(loaded.model, kv_caches=kv_caches, block_size=config.block_size, device=device)
         sched_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size)
+        try:
+            self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size)
+        except ValueError:
+            self.executor.close()
+            raise
         self._requests: dict[str, _RequestState] = {}
+        self._in_flight: deque[SchedulerOutput] = deque()
         self._ids = itertools.count()
+        self.step_records: list[StepRecord] | None = [] if config.record_steps else None
+
+    def close(self) -> None:
+        """Stops the workers (if any). The engine is unusable afterwards."""
+        self.executor.close()
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -102,30 +137,10 @@ class LLMEngine:
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
         """Checks one request without changing anything; returns (text, token ids, max_tokens)."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            text, ids = None, list(prompt)
-        else:
-            raise ValueError("a prompt must be a string or a list of token ids")
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(t < 0 or t >= vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        limit = self.state.max_model_len
-        if len(ids) >= limit:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens; max_model_len is {limit}, which leaves no room to generate"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else limit - len(ids)
-        if len(ids) + max_tokens > limit:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({limit})"
-            )
-        return text, ids, max_tokens
+        return validate_request(
+            prompt, params, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.state.max_model_len,
+        )
 
     def add_request(
         self,
@@ -158,6 +173,7 @@ class LLMEngine:
         if state is None or state.finish_reason is not None:
             return False
         self.scheduler.abort_request(request_id)
+        self.executor.free(request_id)
         state.finish_reason = "abort"
         state.metrics.finished_time = time.monotonic()
         return True
@@ -168,16 +184,47 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One micro-batch; returns the outputs of the requests that gained a token this step."""
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
+        """Keeps up to `max_in_flight` micro-batches in the pipeline, then completes the oldest;
+        returns the outputs of the requests that gained a token."""
+        self._fill_pipeline()
+        if not self._in_flight:
             if self.scheduler.has_unfinished_requests():
                 raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
             return []
-        self._mark_scheduled(plan)
-        sampled = self._run(plan)
+        plan = self._in_flight.popleft()
+        try:
+            sampled = self.executor.result(plan)
+        except WorkerFailure as e:
+            self._fail_all(str(e))
+            raise
         updated = self.scheduler.update(plan, sampled.token_ids)
         return [self._postprocess(req, sampled.logprobs.get(req.request_id)) for req in updated]
+
+    def _fill_pipeline(self) -> None:
+        while len(self._in_flight) < self.executor.max_in_flight:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return
+            self._mark_scheduled(plan)
+            samples = {
+                s.request_id: self._sample_request(s.request_id) for s in plan.scheduled if s.needs_sample
+            }
+            self.executor.submit(plan, samples)
+            self._in_flight.append(plan)
+            if self.step_records is not None:
+                self.step_records.append(StepRecord.of(plan, self._in_flight))
+
+    def _sample_request(self, request_id: str) -> SampleRequest:
+        st = self._requests[request_id]
+        return SampleRequest(st.params, st.generator, len(st.output_token_ids))
+
+    def _fail_all(self, message: str) -> None:
+        """A worker failure: every unfinished request ends with finish_reason "error"."""
+        for rid, st in self._requests.items():
+            if st.finish_reason is None:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+                st.finish_reason, st.error = "error", message
+        self._in_flight.clear()
 
     def _mark_scheduled(self, plan: SchedulerOutput) -> None:
         now = time.monotonic()
@@ -185,23 +232,6 @@ class LLMEngine:
             m = self._requests[s.request.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-
-    def _run(self, plan: SchedulerOutput) -> _Sampled:
-        step = StepInputs.from_scheduler_output(plan)
-        sampling = [s.request.request_id for s in plan.scheduled if s.needs_sample]
-        states = [self._requests[rid] for rid in sampling]
-        out = self.runner.execute(
-            step,
-            [st.params for st in states],
-            [st.generator for st in states],
-            num_output_tokens=[len(st.output_token_ids) for st in states],
-            eos_token_ids=self.state.eos_token_ids,
-        )
-        token_ids = out.token_ids.tolist()
-        logprobs = {}
-        if out.logprobs is not None:
-            logprobs = {rid: lp for rid, lp in zip(sampling, out.logprobs) if lp is not None}
-        return _Sampled(token_ids=dict(zip(sampling, token_ids)), logprobs=logprobs)
 
     def _postprocess(self, req: Request, logprobs: dict[int, float] | None) -> RequestOutput:
         state = self._requests[req.request_id]
@@ -227,6 +257,7 @@ class LLMEngine:
             state.finish_reason, state.stop_reason = reason, stop_reason
             state.metrics.finished_time = now
             self.scheduler.finish_request(req.request_id, _FINISH_STATUS[reason])
+            self.executor.free(req.request_id)
         return self._output(req.request_id)
 
     def _output(self, request_id: str) -> RequestOutput:
@@ -249,6 +280,7 @@ class LLMEngine:
             outputs=[completion],
             finished=finished,
             metrics=st.metrics,
+            error=st.error,
         )
 
     def take_aborted(self, request_id: str) -> RequestOutput:
@@ -256,10 +288,33 @@ class LLMEngine:
         return self._output(request_id)
 
 
-@dataclass(slots=True)
-class _Sampled:
-    token_ids: dict[str, int]
-    logprobs: dict[str, dict[int, float]]
+def validate_request(
+    prompt: str | list[int], params: SamplingParams, *, tokenizer, vocab_size: int, max_model_len: int
+) -> tuple[str | None, list[int], int]:
+    """ValueError with a clear message for a request the engine cannot serve; otherwise
+    (prompt text or None, prompt token ids, resolved max_tokens)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        text, ids = None, list(prompt)
+    else:
+        raise ValueError("a prompt must be a string or a list of token ids")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, which leaves no room to generate"
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+    if len(ids) + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({max_model_len})"
+        )
+    return text, ids, max_tokens
 
 
 def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
@@ -268,6 +323,25 @@ def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     if requested > model_limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_limit}")
     return requested
+
+
+def _local_runner(loaded: LoadedModel, config: EngineConfig, num_blocks: int, dtype, device) -> ModelRunner:
+    kv_caches = allocate_kv_cache(
+        loaded.config, num_layers=loaded.config.num_hidden_layers, num_blocks=num_blocks,
+        block_size=config.block_size, dtype=dtype, device=device,
+    )
+    return ModelRunner(loaded.model, kv_caches=kv_caches, block_size=config.block_size, device=device)
+
+
+def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
+    par = config.parallel
+    if launch is None:
+        env = {"PIPESERVE_ENGINE_CONFIG": json.dumps(engine_config_to_dict(config))}
+        launch = launch_torchrun(par.world_size, env)
+    return DistributedExecutor(
+        world_size=par.world_size, depth=par.depth, host=par.host,
+        liveness_timeout_s=par.liveness_timeout_s, launch=launch,
+    )
 
 
 def _num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device) -> int:

@@ -7,6 +7,9 @@
 
 Only metadata is parsed by `read_gguf`; tensors are dequantized one at a time, on demand, from
 the memory-mapped file, so a pipeline stage pays only for the slice it asks for.
+`iter_weight_slices` goes further: it yields lazy `GGUFTensorSlice`s (like safetensors'
+`get_slice`), and a tensor-parallel rank that indexes one with its row or column range
+dequantizes only those rows or columns.
 """
 
 import importlib.util
@@ -88,31 +91,101 @@ class GGUFCheckpoint:
         Each tensor is dequantized when reached, so memory holds one tensor at a time beyond
         what the caller keeps. Raises ValueError for a requested name the file lacks.
         """
+        for name, lazy in self.iter_weight_slices(names):
+            yield name, lazy[:]
+
+    def iter_weight_slices(
+        self, names: set[str] | None = None
+    ) -> Iterator[tuple[str, "GGUFTensorSlice"]]:
+        """Like `iter_weights`, but yield lazy `GGUFTensorSlice`s: nothing is dequantized until
+        indexed, and then only the indexed rows / columns where they allow it."""
         if names is not None:
             missing = set(names) - self._tensors.keys()
             if missing:
                 raise ValueError(f"{self.path} has no tensors named {sorted(missing)}")
         for name, tensor in self._tensors.items():
             if names is None or name in names:
-                yield name, self._load(name, tensor)
+                yield name, GGUFTensorSlice(tensor, qk_heads=self._qk_heads(name))
 
-    def _load(self, name: str, tensor: gguf.ReaderTensor) -> torch.Tensor:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    def _qk_heads(self, name: str) -> int | None:
+        """Heads whose q/k rows llama.cpp permuted in this tensor; None if not permuted."""
+        if self.config["model_type"] not in _PERMUTED_QK_ARCHITECTURES:
+            return None
+        if ".self_attn.q_proj." in name:
+            return self.config["num_attention_heads"]
+        if ".self_attn.k_proj." in name:
+            return self.config["num_key_value_heads"]
+        return None
+
+
+class GGUFTensorSlice:
+    """One GGUF tensor in HF layout (float32, Q/K rows un-permuted), read when indexed; it
+    mirrors safetensors' `get_slice` objects (`get_shape()`, `s[:]`, `s[a:b]`, `s[:, a:b]`).
+
+    Quantized rows are stored one after another, so a row range costs only its rows. A column
+    range (blocks of 32 values along a row for Q4/Q8) costs only its columns when it starts and
+    ends on block boundaries (or at the end of the row). Permuted Q/K rows need head-aligned row
+    ranges (the permutation stays within each head). Any other index dequantizes the whole
+    tensor first, then applies the index.
+    """
+
+    __slots__ = ("_qk_heads", "_tensor")
+
+    def __init__(self, tensor: gguf.ReaderTensor, *, qk_heads: int | None) -> None:
+        self._tensor = tensor
+        self._qk_heads = qk_heads
+
+    def get_shape(self) -> list[int]:
         # GGUF lists dims fastest-first (ne0 = columns); torch lists them slowest-first.
-        hf_shape = tuple(int(d) for d in reversed(tensor.shape))
-        values = np.asarray(values, dtype=np.float32).reshape(hf_shape)
+        return [int(d) for d in reversed(self._tensor.shape)]
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        ranges = self._ranges(key)
+        if ranges is None:
+            return self._read(None)[key]
+        return self._read(ranges)
+
+    def _ranges(self, key: Any) -> list[tuple[int, int]] | None:
+        """[start, stop) per dim for a key of plain slices that can be read directly."""
+        shape = self.get_shape()
+        key = key if isinstance(key, tuple) else (key,)
+        if len(shape) > 2 or len(key) > len(shape) or not all(isinstance(k, slice) for k in key):
+            return None
+        key = key + (slice(None),) * (len(shape) - len(key))
+        ranges = []
+        for k, n in zip(key, shape, strict=True):
+            start, stop, step = k.indices(n)
+            if step != 1 or start > stop:
+                return None
+            ranges.append((start, stop))
+        block, _ = gguf.GGML_QUANT_SIZES[self._tensor.tensor_type]
+        (c0, c1), n = ranges[-1], shape[-1]
+        if c0 % block or (c1 % block and c1 != n):
+            return None
+        if self._qk_heads is not None:
+            head_rows = shape[0] // self._qk_heads
+            if ranges[0][0] % head_rows or ranges[0][1] % head_rows:
+                return None
+        return ranges
+
+    def _read(self, ranges: list[tuple[int, int]] | None) -> torch.Tensor:
+        tensor, shape = self._tensor, self.get_shape()
+        data = tensor.data  # numpy, one row per leading index: values, or bytes if quantized
+        if ranges is not None:
+            block, type_size = gguf.GGML_QUANT_SIZES[tensor.tensor_type]
+            per_block = type_size if data.dtype == np.uint8 else block  # storage units
+            (c0, c1) = ranges[-1]
+            units = slice(c0 // block * per_block, -(-c1 // block) * per_block)
+            data = data[(*(slice(a, b) for a, b in ranges[:-1]), units)]
+            shape = [b - a for a, b in ranges]
+        values = gguf.quants.dequantize(np.ascontiguousarray(data), tensor.tensor_type)
+        values = np.asarray(values, dtype=np.float32).reshape(shape)
         if not values.flags.writeable:  # F32 tensors come back as views of the read-only mmap
             values = values.copy()
         weight = torch.from_numpy(values)
-        if self.config["model_type"] in _PERMUTED_QK_ARCHITECTURES:
-            weight = self._unpermute_qk(name, weight)
-        return weight
-
-    def _unpermute_qk(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        if ".self_attn.q_proj." in name:
-            return unpermute_qk(weight, self.config["num_attention_heads"])
-        if ".self_attn.k_proj." in name:
-            return unpermute_qk(weight, self.config["num_key_value_heads"])
+        if self._qk_heads is not None and weight.shape[0]:  # whole heads: un-permute them
+            full_rows = int(self._tensor.shape[-1])
+            weight = unpermute_qk(weight, self._qk_heads * weight.shape[0] // full_rows)
         return weight
 
 

@@ -23,8 +23,10 @@ def allocate_kv_cache(
     device: torch.device | str,
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer. ``num_kv_heads`` overrides the config's count
-    (a tensor-parallel rank holds only its share of heads).
+    """One zeroed cache tensor per layer. ``num_kv_heads`` overrides the config's count:
+    a tensor-parallel rank passes ``model.num_local_kv_heads`` (its share of the KV heads,
+    which can differ between the ranks of a stage when KV heads are replicated; the number of
+    blocks must still be the same on every rank).
 
     Zeroed, not empty: attention gathers whole blocks and masks the unused tail, and a masked
     NaN would still poison ``probs @ V`` (0 * NaN = NaN). Recycled blocks hold finite values.
@@ -34,7 +36,7 @@ def allocate_kv_cache(
             f"need num_layers >= 0, num_blocks > 0, block_size > 0; "
             f"got {num_layers}, {num_blocks}, {block_size}"
         )
-    kv_heads = num_kv_heads or config.num_key_value_heads
+    kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     shape = (2, num_blocks, block_size, kv_heads, config.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
@@ -47,6 +49,6 @@ def kv_cache_bytes_per_block(
     num_kv_heads: int | None = None,
 ) -> int:
     """Bytes one block costs across ``num_layers`` layers (K and V), to size the pool."""
-    kv_heads = num_kv_heads or config.num_key_value_heads
+    kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * kv_heads * config.head_dim * element_size

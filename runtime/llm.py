@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.config import EngineConfig, ParallelConfig
 from pipeserve.runtime.engine import LLMEngine
 from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
 from pipeserve.runtime.sampling_params import SamplingParams
@@ -35,13 +35,18 @@ class LLM:
         gpu_memory_utilization: float = 0.90,
         scheduler_policy: str = "sarathi",
         seed: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        num_microbatches_in_flight: int | None = None,
     ) -> None:
+        """With tensor_parallel_size × pipeline_parallel_size > 1 the engine stays in this
+        process and starts that many workers under torchrun; `close()` stops them."""
         scheduler = SchedulerConfig(
             policy=scheduler_policy,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
         )
-        self.engine = LLMEngine(
+        self.engine = _make_engine(
             EngineConfig(
                 model=model,
                 dtype=dtype,
@@ -54,6 +59,11 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 scheduler=scheduler,
+                parallel=ParallelConfig(
+                    tp=tensor_parallel_size,
+                    pp=pipeline_parallel_size,
+                    num_microbatches_in_flight=num_microbatches_in_flight,
+                ),
             )
         )
 
@@ -61,11 +71,28 @@ class LLM:
     def from_config(cls, config: EngineConfig, *, loaded=None) -> LLM:
         """An LLM from a full EngineConfig; `loaded` reuses a model already in memory."""
         llm = cls.__new__(cls)
-        llm.engine = LLMEngine(config, loaded=loaded)
+        llm.engine = _make_engine(config, loaded)
         return llm
 
+    @property
+    def is_driver(self) -> bool:
+        """False on the torchrun ranks other than 0 in SPMD mode: they only serve as workers
+        (their `LLM(...)` returns once the engine has shut down) and `generate` returns []."""
+        return self.engine is not None
+
+    def close(self) -> None:
+        """Stops the workers, if any (also done at interpreter exit)."""
+        if self.engine is not None:
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return None if self.engine is None else self.engine.tokenizer
 
     def generate(
         self,
@@ -75,6 +102,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. Every prompt is checked before any is queued."""
+        if self.engine is None:
+            return []
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         for p, sp in zip(prompts, params):
@@ -92,6 +121,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Applies the model's chat template (Jinja) to each conversation, then generates."""
+        if self.engine is None:
+            return []
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         prompts = [
@@ -124,6 +155,16 @@ class LLM:
         if bar is not None:
             bar.close()
         return finished
+
+
+def _make_engine(config: EngineConfig, loaded=None):
+    """In-process engine; or, under torchrun with tp × pp > 1, this rank's part of an SPMD run
+    (an engine client on rank 0, None elsewhere)."""
+    from pipeserve.runtime import spmd
+
+    if config.parallel.world_size > 1 and spmd.under_torchrun():
+        return spmd.start(config)
+    return LLMEngine(config, loaded=loaded)
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeserve.parallel.context import ParallelContext
 from pipeserve.runtime.model import LlamaForCausalLM
 from pipeserve.runtime.model_config import ModelConfig
 from pipeserve.runtime.tokenizer import Tokenizer
@@ -43,37 +44,48 @@ def load_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     load_format: str = "auto",
+    parallel: ParallelContext | None = None,
 ) -> LoadedModel:
+    """Layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
+    process), reading only that slice of the checkpoint."""
     path = resolve_model_path(model)
+    shard = {
+        "dtype": dtype,
+        "device": device,
+        "start_layer": start_layer,
+        "end_layer": end_layer,
+        "parallel": parallel,
+    }
     if load_format == "dummy":
-        return _load_dummy(path, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
+        return _load_dummy(path, **shard)
     if os.path.isfile(path):
-        return _load_gguf(path, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
+        return _load_gguf(path, **shard)
     from pipeserve.runtime.weights import load_hf_model
 
-    net, config = load_hf_model(
-        path, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer
-    )
+    net, config = load_hf_model(path, **shard)
     return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
 
 
-def _load_gguf(path, *, dtype, device, start_layer, end_layer) -> LoadedModel:
+def _load_gguf(path, **shard) -> LoadedModel:
     from pipeserve.runtime.gguf_loader import read_gguf
     from pipeserve.runtime.weights import build_model
 
     ckpt = read_gguf(path)  # raises ValueError on a non-GGUF file or an unsupported architecture
     config = ModelConfig.from_hf_dict(ckpt.config)
-    net = build_model(config, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
-    net.load_weights(ckpt.iter_weights())
+    net = build_model(config, **shard)
+    # Lazy slices: other stages' tensors are never dequantized, and a TP rank dequantizes only
+    # its rows / columns of the rest.
+    net.load_weights(ckpt.iter_weight_slices())
     return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_gguf(ckpt), path=path)
 
 
-def _load_dummy(path, *, dtype, device, start_layer, end_layer) -> LoadedModel:
+def _load_dummy(path, **shard) -> LoadedModel:
     """Random weights of the folder's config.json shape: throughput does not depend on values."""
     from pipeserve.runtime.weights import build_model
 
     config = ModelConfig.from_hf_folder(path)
-    net = build_model(config, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer)
+    device = shard["device"]
+    net = build_model(config, **shard)
     gen = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
         for p in net.parameters():
@@ -82,3 +94,14 @@ def _load_dummy(path, *, dtype, device, start_layer, end_layer) -> LoadedModel:
             else:
                 p.normal_(0.0, 0.02, generator=gen)
     return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
+
+
+def read_config_and_tokenizer(model: str | None) -> tuple[ModelConfig, Tokenizer, str]:
+    """The model's shape and tokenizer without its weights (what an engine without a model needs)."""
+    path = resolve_model_path(model)
+    if os.path.isfile(path):
+        from pipeserve.runtime.gguf_loader import read_gguf
+
+        ckpt = read_gguf(path)
+        return ModelConfig.from_hf_dict(ckpt.config), Tokenizer.from_gguf(ckpt), path
+    return ModelConfig.from_hf_folder(path), Tokenizer.from_hf_folder(path), path

@@ -11,17 +11,34 @@ Between stages travels one tensor, the residual stream [T, H] after the stage's 
 q/k/v and gate/up are fused into one projection each (one GEMM instead of three/two);
 ``load_weights`` maps HF's separate tensors into their row ranges. Modules come in reading
 order: RMSNorm, RoPE, attention, MLP, decoder layer, model.
+
+Tensor parallelism lives in the layers (``pipeserve.parallel.tp_layers``): attention heads and
+the MLP's intermediate features are split over the TP ranks of a stage (column-parallel in,
+row-parallel out, one all-reduce each), the embedding and LM head over the vocabulary. The
+residual stream [T, H] is whole on every TP rank. With one TP rank the layers are plain
+``nn.Linear`` / ``nn.Embedding``.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeserve.parallel.context import ParallelContext
+from pipeserve.parallel.tp_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+    shard_heads,
+)
 from pipeserve.runtime.attention import paged_attention, write_kv
 from pipeserve.runtime.attention_metadata import AttentionMetadata
 from pipeserve.runtime.model_config import ModelConfig
@@ -126,27 +143,43 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with a fused qkv projection over the paged KV cache."""
+    """Grouped-query attention with a fused qkv projection over the paged KV cache.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Holds this TP rank's heads (``shard_heads``): ``num_heads`` query heads and
+    ``num_kv_heads`` KV heads, all counts local.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        heads = shard_heads(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            parallel.tp_size,
+            parallel.tp_rank,
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
-        # HF projection -> (our fused projection, the rows of it that hold HF's).
-        q, kv = self.q_size, self.kv_size
-        self.hf_shards = {
-            "q_proj": ("qkv_proj", slice(0, q)),
-            "k_proj": ("qkv_proj", slice(q, q + kv)),
-            "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)),
-        }
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = d = config.head_dim
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            d,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            heads=heads,
+            bias=config.attention_bias,
+            parallel=parallel,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            parallel=parallel,
+            cols=(heads.q_start * d, heads.q_stop * d),
+        )
+        # HF projection -> (our fused projection, its part: the loader places the rows).
+        self.hf_shards = {f"{p}_proj": ("qkv_proj", p) for p in "qkv"}
 
     def forward(
         self,
@@ -171,29 +204,33 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
-        self.hf_shards = {  # HF projection -> (our fused projection, its rows)
-            "gate_proj": ("gate_up_proj", slice(0, inter)),
-            "up_proj": ("gate_up_proj", slice(inter, 2 * inter)),
+        # Both split evenly over TP ranks, so gate and up keep equal local widths and
+        # down_proj's columns (the same even split) match them.
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=False, parallel=parallel
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, parallel=parallel)
+        self.hf_shards = {  # HF projection -> (our fused projection, its part)
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
         }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I_local] each
         return self.down_proj(F.silu(gate) * up)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, parallel)
 
     def forward(
         self,
@@ -216,10 +253,18 @@ class LlamaForCausalLM(nn.Module):
 
     Holds ``embed_tokens`` only when start_layer == 0 and ``norm`` + ``lm_head`` only when
     end_layer == num_hidden_layers; ``layers[j]`` is global layer ``start_layer + j``.
+    ``parallel`` (default: one process) gives the TP rank whose shard of every layer this
+    module holds; ``num_local_kv_heads`` is the KV heads per layer on this rank, the head count
+    of its KV cache.
     """
 
     def __init__(
-        self, config: ModelConfig, *, start_layer: int = 0, end_layer: int | None = None
+        self,
+        config: ModelConfig,
+        *,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        parallel: ParallelContext | None = None,
     ) -> None:
         super().__init__()
         num_layers = config.num_hidden_layers
@@ -229,17 +274,28 @@ class LlamaForCausalLM(nn.Module):
                 f"need 0 <= start_layer <= end_layer <= {num_layers}, "
                 f"got [{start_layer}, {end_layer})"
             )
-        self.config = config
+        parallel = ParallelContext.single() if parallel is None else parallel
+        self.config, self.parallel = config, parallel
         self.start_layer, self.end_layer = start_layer, end_layer
-        self.embed_tokens = (
-            nn.Embedding(config.vocab_size, config.hidden_size) if start_layer == 0 else None
-        )
+        self.num_local_kv_heads = shard_heads(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            parallel.tp_size,
+            parallel.tp_rank,
+        ).num_kv_heads
+        self.embed_tokens = None
+        if start_layer == 0:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel=parallel
+            )
         self.rotary_emb = RotaryEmbedding(config)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(start_layer, end_layer))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, parallel) for _ in range(start_layer, end_layer)
+        )
         self.norm = self.lm_head = None
         if end_layer == num_layers:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel)
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
 
@@ -278,16 +334,22 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] final-normed hidden states -> [N, V] float32 logits (last stage only)."""
+        """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,
+        on every TP rank (last stage only; with TP > 1 a collective: all TP ranks call it)."""
         assert self.lm_head is not None, "compute_logits needs the last stage"
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     # --- weights --------------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy HF-named tensors in (converting dtype/device), skipping what this stage does
         not hold. The LM head falls back to the embedding when tied or absent. Raises
-        ValueError listing missing, unexpected or misshapen parameters."""
+        ValueError listing missing, unexpected or misshapen parameters.
+
+        A weight may be a full tensor or a lazy slice (safetensors ``get_slice``,
+        ``GGUFTensorSlice``): each layer's ``weight_loader`` reads only this TP rank's rows or
+        columns of it, and tensors this stage does not hold are never read.
+        """
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         errors: list[str] = []
@@ -301,16 +363,16 @@ class LlamaForCausalLM(nn.Module):
                     and self._head_reads_embedding()
                     and "lm_head.weight" not in loaded
                 ):
-                    self._copy(params["lm_head.weight"], None, tensor, hf_name, errors)
+                    self._load_param("lm_head.weight", None, tensor, hf_name, errors)
                     loaded.add("lm_head.weight")
                 target = self._target(hf_name)
                 if target is None:
                     continue
-                name, rows = target
+                name, part = target
                 if name not in params:
                     errors.append(f"unexpected parameter {hf_name}")
                     continue
-                self._copy(params[name], rows, tensor, hf_name, errors)
+                self._load_param(name, part, tensor, hf_name, errors)
                 loaded.add(hf_name)
         missing = sorted(self.expected_weight_names() - loaded)
         if missing:
@@ -348,9 +410,9 @@ class LlamaForCausalLM(nn.Module):
             return False
         return self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight
 
-    def _target(self, hf_name: str) -> tuple[str, slice | None] | None:
-        """(our parameter name, its rows for a fused projection) for an HF name; None when
-        this stage does not hold it. Unknown names map to a name absent from the module."""
+    def _target(self, hf_name: str) -> tuple[str, Any] | None:
+        """(our parameter name, its part of a fused projection or None) for an HF name; None
+        when this stage does not hold it. Unknown names map to a name absent from the module."""
         if hf_name == "lm_head.weight" or hf_name.startswith("model.norm."):
             return None if self.lm_head is None else (hf_name.removeprefix("model."), None)
         if hf_name.startswith("model.embed_tokens."):
@@ -362,27 +424,27 @@ class LlamaForCausalLM(nn.Module):
         if not self.start_layer <= layer < self.end_layer:
             return None
         prefix = f"layers.{layer - self.start_layer}"
-        # e.g. model.layers.3.self_attn.q_proj.bias -> layers.1.self_attn.qkv_proj.bias, rows
+        # e.g. model.layers.3.self_attn.q_proj.bias -> layers.1.self_attn.qkv_proj.bias, "q"
         module = getattr(self.layers[layer - self.start_layer], parts[3], None)
         shards = getattr(module, "hf_shards", {})
         if len(parts) == 6 and parts[4] in shards:
-            fused, rows = shards[parts[4]]
-            return f"{prefix}.{parts[3]}.{fused}.{parts[5]}", rows
+            fused, part = shards[parts[4]]
+            return f"{prefix}.{parts[3]}.{fused}.{parts[5]}", part
         return f"{prefix}.{'.'.join(parts[3:])}", None
 
-    @staticmethod
-    def _copy(
-        param: torch.Tensor,
-        rows: slice | None,
-        tensor: torch.Tensor,
-        hf_name: str,
-        errors: list[str],
+    def _load_param(
+        self, name: str, part: Any, tensor: Any, hf_name: str, errors: list[str]
     ) -> None:
-        target = param.data if rows is None else param.data[rows]
-        if target.shape != tensor.shape:
-            errors.append(
-                f"{hf_name}: checkpoint shape {tuple(tensor.shape)} "
-                f"!= model shape {tuple(target.shape)}"
-            )
-            return
-        target.copy_(tensor)
+        """Load through the owning layer's ``weight_loader`` (TP layers slice their rank's
+        share), else whole; a shape mismatch becomes an error line."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        param = getattr(module, attr)
+        loader = getattr(module, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor, part)
+            else:
+                default_weight_loader(param, tensor)
+        except ValueError as e:
+            errors.append(f"{hf_name}: {e}")

@@ -1,14 +1,20 @@
-"""Loading HF checkpoints (``config.json`` + ``*.safetensors``) into ``LlamaForCausalLM``."""
+"""Loading HF checkpoints (``config.json`` + ``*.safetensors``) into ``LlamaForCausalLM``.
+
+Each rank reads only its slice: tensors go to the model as lazy safetensors slices, so a
+pipeline stage never reads another stage's layers, and a TP rank reads only its rows/columns.
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from pipeserve.parallel.context import ParallelContext
 from pipeserve.runtime.model import LlamaForCausalLM
 from pipeserve.runtime.model_config import ModelConfig
 
@@ -27,6 +33,19 @@ def iter_safetensors(
                 yield name, f.get_tensor(name)
 
 
+def iter_safetensors_slices(folder: str | Path) -> Iterator[tuple[str, Any]]:
+    """(HF name, lazy slice) for every tensor in the folder's safetensors files.
+
+    A slice (safetensors' ``get_slice``) reads nothing until indexed (``s[a:b]``,
+    ``s[:, a:b]``, ``s[:]``) and reads only what the index selects. It is valid only until the
+    next item is requested (its file may close then): use each one before moving on.
+    """
+    for path in _safetensors_files(Path(folder)):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
 def load_hf_model(
     folder: str | Path,
     *,
@@ -34,16 +53,23 @@ def load_hf_model(
     device: torch.device | str,
     start_layer: int = 0,
     end_layer: int | None = None,
+    parallel: ParallelContext | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build layers [start_layer, end_layer) directly on ``device`` in ``dtype`` and load them."""
+    """Build layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
+    process) directly on ``device`` in ``dtype``, and read just those weights into it."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"model folder {str(folder)!r} does not exist")
     config = ModelConfig.from_hf_folder(folder)
     model = build_model(
-        config, dtype=dtype, device=device, start_layer=start_layer, end_layer=end_layer
+        config,
+        dtype=dtype,
+        device=device,
+        start_layer=start_layer,
+        end_layer=end_layer,
+        parallel=parallel,
     )
-    model.load_weights(iter_safetensors(folder))
+    model.load_weights(iter_safetensors_slices(folder))
     return model, config
 
 
@@ -54,15 +80,19 @@ def build_model(
     device: torch.device | str,
     start_layer: int = 0,
     end_layer: int | None = None,
+    parallel: ParallelContext | None = None,
 ) -> LlamaForCausalLM:
     """An inference-mode model (no grads, eval) born on ``device`` in ``dtype``, with
     PyTorch's default init; load_weights (or a benchmark's random fill) comes next. The
-    global default dtype is restored afterwards; the RoPE tables stay float32."""
+    global default dtype is restored afterwards; the RoPE tables stay float32. ``parallel``
+    picks the TP shard (default: one process, the whole layers)."""
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config, start_layer=start_layer, end_layer=end_layer)
+            model = LlamaForCausalLM(
+                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel
+            )
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.requires_grad_(False).eval()

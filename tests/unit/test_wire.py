@@ -56,6 +56,11 @@ ALL_MESSAGES = [
     StepResult(step_id=18, request_ids=[], token_ids=[], error="CUDA OOM on stage 1"),
     Heartbeat(rank=-1, t=1.7e9),
     Shutdown(reason="SIGTERM"),
+    wire.AddRequest(request_id="r1", prompt_token_ids=[1, 2, 3], prompt="hi",
+                    params={"temperature": 0.5, "stop": ["\n"], "seed": 3}),
+    wire.AbortRequest(request_id="r1"),
+    wire.RequestUpdate(request_id="r1", token_ids=[4, 5], text="ab", finish_reason="stop",
+                       stop_reason="\n", logprobs=[{4: -0.1}, {5: -0.2, 6: -1.5}]),
     WorkerError(rank=2, message="Traceback ..."),
 ]
 

@@ -1,0 +1,152 @@
+"""Who this process is in the TP × PP mesh, and the two collectives tensor parallelism needs.
+
+Ranks are stage-major: global rank = stage * tp_size + tp_rank, so the tp_size workers of one
+pipeline stage are consecutive (on one node whenever tp_size <= GPUs per node: the all-reduces
+of TP stay on NVLink, and only PP's point-to-point sends may cross nodes). TP rank r of stage s
+sends its hidden states to TP rank r of stage s + 1 (every TP rank holds the full residual
+stream, so each pair carries a complete copy and no gather is needed between stages).
+
+Nothing here is global: a ``ParallelContext`` is built once per process and passed explicitly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelContext:
+    """This process's place in the mesh. ``tp_rank`` and ``stage`` derive from ``rank``."""
+
+    rank: int
+    """Global rank in torch.distributed's default group (stage-major)."""
+    world_size: int
+    """tp_size * pp_size processes in all."""
+    tp_size: int
+    """Tensor-parallel ranks per pipeline stage."""
+    pp_size: int
+    """Pipeline stages."""
+    tp_group: dist.ProcessGroup | None = None
+    """This stage's TP group (ranks ``stage_ranks``); None when tp_size == 1, where the TP
+    layers run no collective at all."""
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.pp_size < 1:
+            raise ValueError(
+                f"tp_size and pp_size must be >= 1, got {self.tp_size}, {self.pp_size}"
+            )
+        if self.world_size != self.tp_size * self.pp_size:
+            raise ValueError(
+                f"world_size {self.world_size} != tp_size {self.tp_size} * pp_size {self.pp_size}"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside [0, {self.world_size})")
+        if (self.tp_group is None) != (self.tp_size == 1):
+            raise ValueError("tp_group must be given exactly when tp_size > 1")
+
+    @classmethod
+    def single(cls) -> ParallelContext:
+        """One process holding the whole model: no groups, no collectives."""
+        return cls(rank=0, world_size=1, tp_size=1, pp_size=1)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """Global ranks of this stage's TP group, in TP-rank order."""
+        return stage_ranks(self.stage, self.tp_size)
+
+    @property
+    def prev_rank(self) -> int | None:
+        """The same TP rank in the previous stage (whence hidden states come); None on stage 0."""
+        return None if self.is_first_stage else self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int | None:
+        """The same TP rank in the next stage (where hidden states go); None on the last stage."""
+        return None if self.is_last_stage else self.rank + self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pp_size - 1
+
+    @property
+    def is_driver(self) -> bool:
+        """The one rank that samples and reports results: TP rank 0 of the last stage."""
+        return self.is_last_stage and self.tp_rank == 0
+
+
+def stage_ranks(stage: int, tp_size: int) -> list[int]:
+    """Global ranks of pipeline stage ``stage`` (stage-major layout)."""
+    return list(range(stage * tp_size, (stage + 1) * tp_size))
+
+
+def build_parallel_context(tp_size: int, pp_size: int) -> ParallelContext:
+    """The context of this process, creating one TP group per stage.
+
+    torch.distributed must already be initialized with world_size == tp_size * pp_size.
+    ``dist.new_group`` is collective over the whole world: every rank calls it for every stage's
+    group, in the same order (stage 0, 1, ...), and keeps only its own. A rank that skipped the
+    groups it is not in would deadlock or mismatch the others' groups.
+    """
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized (init_process_group first)")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != tp_size * pp_size:
+        raise ValueError(
+            f"world size {world_size} != tp {tp_size} * pp {pp_size}; launch tp * pp processes"
+        )
+    tp_group = None
+    if tp_size > 1:
+        for stage in range(pp_size):
+            ranks = stage_ranks(stage, tp_size)
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                tp_group = group
+    return ParallelContext(
+        rank=rank, world_size=world_size, tp_size=tp_size, pp_size=pp_size, tp_group=tp_group
+    )
+
+
+# --- collectives over the TP group ----------------------------------------------------------
+
+
+def tp_all_reduce(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """Sum ``x`` over the TP group, in place; returns it. No-op when tp_size == 1."""
+    if parallel.tp_size > 1:
+        dist.all_reduce(x, group=parallel.tp_group)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, parallel: ParallelContext, sizes: Sequence[int]) -> torch.Tensor:
+    """Concatenate every TP rank's ``x`` along the last dim, in TP-rank order.
+
+    Rank r's ``x`` is ``[..., sizes[r]]``; shards may be uneven (vocab 49155 on 2 ranks), and
+    NCCL's all_gather needs equal sizes, so each shard is padded to ``max(sizes)`` for the
+    collective and trimmed after. No-op when tp_size == 1.
+    """
+    if parallel.tp_size == 1:
+        return x
+    assert len(sizes) == parallel.tp_size and x.shape[-1] == sizes[parallel.tp_rank], (
+        x.shape,
+        sizes,
+    )
+    padded = F.pad(x, (0, max(sizes) - x.shape[-1])).contiguous()  # [..., max(sizes)]
+    shards = [torch.empty_like(padded) for _ in sizes]
+    dist.all_gather(shards, padded, group=parallel.tp_group)
+    return torch.cat([s[..., :n] for s, n in zip(shards, sizes, strict=True)], dim=-1)

@@ -1,0 +1,306 @@
+"""Tensor-parallel layers (Megatron-style) and the pure functions that split a model over TP ranks.
+
+- ``ColumnParallelLinear``: rank r holds some output features (rows of W) and computes only
+  those; no collective. ``MergedColumnParallelLinear`` (gate|up) and ``QKVParallelLinear``
+  (q|k|v) are fused ones: each checkpoint tensor ("part") is split on its own, and the rank's
+  rows of every part are laid out part after part.
+- ``RowParallelLinear``: rank r holds some input features (columns of W), computes a partial
+  sum, and all-reduces it; the bias is added once, after the reduce.
+- ``VocabParallelEmbedding``: rank r holds a contiguous vocab range; ids outside it give zero
+  rows, and the all-reduce leaves exactly the one rank's row.
+- ``ParallelLMHead``: the same vocab rows; logits shards are all-gathered so that every TP rank
+  has the full-vocab logits.
+
+With tp_size == 1 every layer is exactly ``nn.Linear`` / ``nn.Embedding`` (same parameters,
+same forward, no collective), so single-process numerics do not change.
+
+Each layer has ``weight_loader(param, loaded, part=None)``: ``loaded`` is the full checkpoint
+tensor, or a lazy slice of it (safetensors' ``get_slice``, ``GGUFTensorSlice``), indexed only
+with ``[a:b]`` / ``[:, a:b]`` so that only this rank's rows or columns are read. Loaders raise
+ValueError on a checkpoint shape that does not match the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import pairwise
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipeserve.parallel.context import ParallelContext, tp_all_gather, tp_all_reduce
+
+# --- splitting (pure) -----------------------------------------------------------------------
+
+
+def split_evenly(size: int, num_parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of part ``index`` when ``size`` items are cut into ``num_parts``
+    contiguous parts as evenly as possible; the first ``size % num_parts`` parts get one more."""
+    assert 0 <= index < num_parts, (index, num_parts)
+    base, extra = divmod(size, num_parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (index < extra)
+
+
+def split_sizes(size: int, num_parts: int) -> list[int]:
+    """Sizes of every part of ``split_evenly``."""
+    return [b - a for a, b in (split_evenly(size, num_parts, i) for i in range(num_parts))]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HeadShard:
+    """The attention heads one TP rank holds."""
+
+    q_start: int
+    q_stop: int
+    """Global query heads [q_start, q_stop)."""
+    kv_heads: tuple[int, ...]
+    """The global KV head in each local KV slot. Query head h reads local KV slot
+    (h - q_start) // (num_heads / num_kv_heads), as in unsharded GQA."""
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_stop - self.q_start
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_heads)
+
+
+def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadShard:
+    """Query heads split as evenly as possible (first ranks get the extra head).
+
+    With group size g = num_heads // num_kv_heads, rank r's query heads [a, b) read KV heads
+    h // g. Its local KV heads keep attention a uniform GQA (every local KV head serves the
+    same number of local query heads):
+
+    - [a, b) aligned to groups (a, b multiples of g): exactly KV heads [a/g, b/g);
+    - [a, b) inside one group (tp_size > num_kv_heads, e.g. 8 / 2 heads on 4 ranks): that one
+      KV head, replicated across the ranks that share it;
+    - otherwise (9 / 3 heads on 2 ranks: [0, 5) and [5, 9)): one KV head per local query head,
+      a copy of KV head h // g (local ratio 1). The copies cost KV-cache memory, but every
+      rank's attention stays self-contained.
+    """
+    if not 1 <= tp_size <= num_heads:
+        raise ValueError(f"tensor parallelism {tp_size} needs 1 <= tp <= num_heads ({num_heads})")
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    group = num_heads // num_kv_heads
+    a, b = split_evenly(num_heads, tp_size, tp_rank)
+    if a % group == 0 and b % group == 0:
+        kv_heads = tuple(range(a // group, b // group))
+    elif a // group == (b - 1) // group:
+        kv_heads = (a // group,)
+    else:
+        kv_heads = tuple(h // group for h in range(a, b))
+    return HeadShard(q_start=a, q_stop=b, kv_heads=kv_heads)
+
+
+# --- reading checkpoint slices ----------------------------------------------------------------
+
+
+def checkpoint_shape(loaded: Any) -> tuple[int, ...]:
+    """Shape of a tensor or of a lazy slice (safetensors / GGUF ``get_shape()``)."""
+    return tuple(loaded.shape) if isinstance(loaded, torch.Tensor) else tuple(loaded.get_shape())
+
+
+def check_shape(loaded: Any, expected: Sequence[int]) -> None:
+    shape = checkpoint_shape(loaded)
+    if shape != tuple(expected):
+        raise ValueError(f"checkpoint shape {shape} != model shape {tuple(expected)}")
+
+
+def read_rows(loaded: Any, rows: Sequence[int]) -> torch.Tensor:
+    """``loaded[rows]`` (dim 0), reading only the contiguous range that covers ``rows``."""
+    if isinstance(rows, range) and rows.step == 1:
+        return loaded[rows.start : rows.stop]
+    lo, hi = min(rows), max(rows) + 1
+    return loaded[lo:hi][torch.tensor([r - lo for r in rows])]
+
+
+def read_cols(loaded: Any, start: int, stop: int) -> torch.Tensor:
+    """``loaded[:, start:stop]``, reading only those columns."""
+    return loaded[:, start:stop]
+
+
+def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
+    """A replicated parameter (norm weights, a TP-1 layer): the whole tensor."""
+    check_shape(loaded, param.shape)
+    param.data.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded[:])
+
+
+# --- linear layers ----------------------------------------------------------------------------
+
+
+class ColumnParallelLinear(nn.Linear):
+    """y = x W_r^T + b_r over this rank's output rows; no collective.
+
+    ``parts`` maps each checkpoint tensor's id to (its full number of rows, the global rows of
+    it this rank holds); local rows are the parts' rows in order. The default is one part (id
+    None) split evenly.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        parallel: ParallelContext,
+        parts: dict[Any, tuple[int, Sequence[int]]] | None = None,
+    ) -> None:
+        if parts is None:
+            parts = {None: (out_features, range(*_split(out_features, parallel)))}
+        assert sum(full for full, _ in parts.values()) == out_features, (parts, out_features)
+        super().__init__(in_features, sum(len(rows) for _, rows in parts.values()), bias=bias)
+        self.parallel = parallel
+        self.parts = parts
+        self.part_offsets, offset = {}, 0
+        for part, (_, rows) in parts.items():
+            self.part_offsets[part] = offset
+            offset += len(rows)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
+        full_rows, rows = self.parts[part]
+        check_shape(loaded, (full_rows, *param.shape[1:]))
+        offset = self.part_offsets[part]
+        param.data[offset : offset + len(rows)].copy_(read_rows(loaded, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused (gate|up); part i is split evenly."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: Sequence[int],
+        *,
+        bias: bool,
+        parallel: ParallelContext,
+    ) -> None:
+        parts = {i: (size, range(*_split(size, parallel))) for i, size in enumerate(output_sizes)}
+        super().__init__(in_features, sum(output_sizes), bias=bias, parallel=parallel, parts=parts)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q|k|v projection over this rank's heads (``shard_heads``); parts "q", "k", "v"."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        heads: HeadShard,
+        bias: bool,
+        parallel: ParallelContext,
+    ) -> None:
+        d = head_dim
+        q_rows = range(heads.q_start * d, heads.q_stop * d)
+        kv_rows = tuple(r for h in heads.kv_heads for r in range(h * d, (h + 1) * d))
+        kv_rows = range(kv_rows[0], kv_rows[-1] + 1) if _contiguous(kv_rows) else kv_rows
+        parts = {
+            "q": (num_heads * d, q_rows),
+            "k": (num_kv_heads * d, kv_rows),
+            "v": (num_kv_heads * d, kv_rows),
+        }
+        out_features = (num_heads + 2 * num_kv_heads) * d
+        super().__init__(hidden_size, out_features, bias=bias, parallel=parallel, parts=parts)
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_r W_r^T) + b over this rank's input columns [start, stop).
+
+    ``cols`` defaults to an even split; o_proj passes its query heads' columns.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool,
+        parallel: ParallelContext,
+        cols: tuple[int, int] | None = None,
+    ) -> None:
+        start, stop = cols if cols is not None else _split(in_features, parallel)
+        super().__init__(stop - start, out_features, bias=bias)
+        self.parallel = parallel
+        self.full_in_features, self.cols = in_features, (start, stop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in_local] -> [T, out]
+        if self.parallel.tp_size == 1:
+            return super().forward(x)
+        y = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+        return y if self.bias is None else y + self.bias
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
+        if param is self.bias:
+            default_weight_loader(param, loaded)
+            return
+        check_shape(loaded, (self.out_features, self.full_in_features))
+        param.data.copy_(read_cols(loaded, *self.cols))
+
+
+# --- vocabulary -------------------------------------------------------------------------------
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Embedding rows [vocab_start, vocab_stop) on this rank; the all-reduce assembles rows."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, *, parallel: ParallelContext
+    ) -> None:
+        start, stop = _split(num_embeddings, parallel)
+        super().__init__(stop - start, embedding_dim)
+        self.vocab_start, self.vocab_stop = start, stop
+        self.parallel, self.full_num_embeddings = parallel, num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, H]
+        if self.parallel.tp_size == 1:
+            return super().forward(input_ids)
+        in_shard = (input_ids >= self.vocab_start) & (input_ids < self.vocab_stop)  # [T]
+        local_ids = torch.where(in_shard, input_ids - self.vocab_start, 0)
+        x = F.embedding(local_ids, self.weight).masked_fill_(~in_shard[:, None], 0)  # [T, H]
+        return tp_all_reduce(x, self.parallel)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
+        check_shape(loaded, (self.full_num_embeddings, self.embedding_dim))
+        param.data.copy_(read_rows(loaded, range(self.vocab_start, self.vocab_stop)))
+
+
+class ParallelLMHead(nn.Linear):
+    """LM head over the same vocab rows as ``VocabParallelEmbedding`` (so the two can share one
+    weight); ``forward`` returns full-vocab float32 logits on every TP rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, parallel: ParallelContext) -> None:
+        start, stop = _split(vocab_size, parallel)
+        super().__init__(hidden_size, stop - start, bias=False)
+        self.vocab_start, self.vocab_stop = start, stop
+        self.parallel, self.full_vocab_size = parallel, vocab_size
+        self.shard_sizes = split_sizes(vocab_size, parallel.tp_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [N, H] -> [N, V] float32
+        local = F.linear(hidden, self.weight)  # [N, V_local]
+        # Gathered in the model's dtype (half the bytes of float32), cast after: same values.
+        return tp_all_gather(local, self.parallel, self.shard_sizes).float()
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
+        check_shape(loaded, (self.full_vocab_size, self.in_features))
+        param.data.copy_(read_rows(loaded, range(self.vocab_start, self.vocab_stop)))
+
+
+def _split(size: int, parallel: ParallelContext) -> tuple[int, int]:
+    if size < parallel.tp_size:
+        raise ValueError(f"cannot split {size} features over {parallel.tp_size} TP ranks")
+    return split_evenly(size, parallel.tp_size, parallel.tp_rank)
+
+
+def _contiguous(rows: Sequence[int]) -> bool:
+    return all(b == a + 1 for a, b in pairwise(rows))

