@@ -68,21 +68,27 @@ def _hf_model(folder: str):
 
     config = AutoConfig.from_pretrained(folder)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     return model.eval()
 
 
-def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
+def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, variant: str = "") -> dict:
+    """`variant` is "" or e.g. "tp=2" / "pp=2" (several GPUs: workers under torchrun)."""
     from pipeserve import LLM, SamplingParams
 
+    par = dict(kv.split("=") for kv in variant.split(",") if kv)
+    os.environ["PIPESERVE_STAGE_STATS"] = "1"  # workers print their busy time at shutdown
+    has_weights = any(f.endswith(".safetensors") for f in os.listdir(folder))
     llm = LLM(
         folder,
-        load_format="dummy",
+        load_format="auto" if has_weights else "dummy",
         dtype="bfloat16",
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
         block_size=args.block_size,
+        tensor_parallel_size=int(par.get("tp", 1)),
+        pipeline_parallel_size=int(par.get("pp", 1)),
     )
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
@@ -92,7 +98,11 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args) 
     _sync()
     wall = time.perf_counter() - t0
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    return {"wall_s": wall, "num_kv_blocks": llm.engine.state.num_kv_blocks}
+    with open(os.path.join(folder, f"tokens_pipeserve{variant}.json"), "w") as f:
+        json.dump([o.outputs[0].token_ids for o in outs], f)
+    blocks = llm.engine.state.num_kv_blocks
+    llm.close()
+    return {"wall_s": wall, "num_kv_blocks": blocks}
 
 
 def run_transformers(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
@@ -110,7 +120,7 @@ def run_transformers(folder: str, prompts: list[list[int]], output_len: int, arg
             mask[i, width - len(p) :] = 1
         with torch.inference_mode():
             out = model.generate(
-                input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=n, min_new_tokens=n,
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=n, min_new_tokens=n,
                 do_sample=False, pad_token_id=0,
             )
         assert out.shape[1] == width + n
@@ -155,6 +165,14 @@ def _sync() -> None:
 RUNNERS = {"pipeserve": run_pipeserve, "transformers": run_transformers, "fastgen": run_fastgen}
 
 
+def runner(name: str):
+    """"pipeserve:tp=2" runs pipeserve with a parallel layout; plain names are peers."""
+    base, _, variant = name.partition(":")
+    if variant:
+        return lambda *a: run_pipeserve(*a, variant=variant)
+    return RUNNERS[base]
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--systems", default="pipeserve,transformers,fastgen")
@@ -168,6 +186,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gpt2_tokenizer.json"))
     p.add_argument("--workdir", default=None)
+    p.add_argument("--weights", action="store_true", help="write real (random) weights even if no peer needs them")
     p.add_argument("--out", default=None, help="write all results as JSON here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -178,11 +197,14 @@ def main(argv=None) -> None:
     prompts = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed)
     workdir = args.workdir or tempfile.mkdtemp(prefix="pipeserve-bench-")
     if args.child:
-        result = RUNNERS[args.child](workdir, prompts, args.output_len, args)
+        result = runner(args.child)(workdir, prompts, args.output_len, args)
         print("RESULT " + json.dumps(result), flush=True)
         return
     systems = [s for s in args.systems.split(",") if s]
-    write_model_folder(workdir, args.tokenizer, num_layers=args.num_layers, with_weights="fastgen" in systems)
+    # Real (random) weights on disk when a peer needs them or pipeserve layouts are compared
+    # (tp/pp must load the same weights as one GPU for their greedy tokens to be comparable).
+    with_weights = args.weights or "fastgen" in systems or any(":" in s for s in systems)
+    write_model_folder(workdir, args.tokenizer, num_layers=args.num_layers, with_weights=with_weights)
     total = sum(map(len, prompts)) + args.num_requests * args.output_len
     results = {}
     for name in systems:
@@ -195,13 +217,31 @@ def main(argv=None) -> None:
             r = json.loads(line[7:])
             if "wall_s" in r:
                 r["tokens_per_s"] = total / r["wall_s"]
+            stages = [json.loads(l[12:]) for l in proc.stdout.splitlines() if l.startswith("STAGE_STATS ")]
+            if stages:
+                r["stages"] = sorted(stages, key=lambda d: d["rank"])
             results[name] = r
         print(name, json.dumps(results[name])[:3000], flush=True)
+    _greedy_agreement(workdir, results)
     summary = _summary(results, args, total)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "total_tokens": total, "results": results}, f, indent=1)
     print(summary)
+
+
+def _greedy_agreement(workdir: str, results: dict) -> None:
+    """Fraction of prompts whose greedy tokens equal one GPU's, per pipeserve layout."""
+    base_path = os.path.join(workdir, "tokens_pipeserve.json")
+    if not os.path.exists(base_path):
+        return
+    base = json.load(open(base_path))
+    for name, r in results.items():
+        path = os.path.join(workdir, f"tokens_pipeserve{name.partition(':')[2]}.json")
+        if ":" in name and os.path.exists(path):
+            other = json.load(open(path))
+            r["same_greedy_fraction"] = sum(a == b for a, b in zip(base, other)) / len(base)
+            r["same_first_tokens_fraction"] = sum(a[:16] == b[:16] for a, b in zip(base, other)) / len(base)
 
 
 def _summary(results: dict, args, total: int) -> str:
@@ -215,7 +255,12 @@ def _summary(results: dict, args, total: int) -> str:
     for name, r in results.items():
         if "tokens_per_s" in r:
             ratio = f"{base / r['tokens_per_s']:.2f}" if base else "-"
-            rows.append(f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} |")
+            extra = ""
+            if "same_greedy_fraction" in r:
+                extra += f" same greedy {r['same_greedy_fraction']:.0%};"
+            for st in r.get("stages", []):
+                extra += f" rank{st['rank']}/stage{st['stage']} busy {st['busy_fraction']:.0%};"
+            rows.append(f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} |{extra}")
         else:
             rows.append(f"| {name} | - | {r.get('skipped') or 'error'} | - |")
     return "\n".join(rows)

@@ -62,6 +62,8 @@ class Worker:
         self._generators: dict[str, torch.Generator | None] = {}
         self._params: dict[str, tuple[object, object]] = {}  # rid -> (spec, SamplingParams)
         self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
+        # Only when asked (benchmarks): the spans grow with every step.
+        self.busy = BusyTimer(device, enabled=bool(os.environ.get("PIPESERVE_STAGE_STATS")))
 
     def _agree_on_kv_blocks(self) -> int:
         """Every stage holds the same number of blocks: the fewest any rank can afford."""
@@ -99,12 +101,15 @@ class Worker:
         t0 = time.perf_counter()
         inputs = to_tensors(step, block_size=self.config.block_size, device=self.device)
         hidden_in = None if self.ctx.is_first_stage else self._recv(step.num_tokens)
+        self.busy.begin()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                             hidden_states=hidden_in)
         if not self.ctx.is_last_stage:
+            self.busy.end()
             self._send(hidden)
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        self.busy.end()
         if not self.ctx.is_driver:
             return None
         return self._sample(plan, logits, time.perf_counter() - t0)
@@ -161,10 +166,53 @@ class Worker:
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
                 self.wait_sends()
+                if os.environ.get("PIPESERVE_STAGE_STATS"):
+                    stats = dict(rank=self.ctx.rank, stage=self.ctx.stage, **self.busy.summary())
+                    print("STAGE_STATS " + json.dumps(stats), flush=True)
                 return
             result = self.execute(msg)
             if result is not None:
                 channel.send(result)
+
+
+class BusyTimer:
+    """Compute time of this rank's micro-batches (after the input arrived, until the output is
+    ready), from CUDA events read only at the end: no synchronize on the hot path."""
+
+    def __init__(self, device: torch.device, *, enabled: bool) -> None:
+        self.enabled = enabled
+        self.cuda = device.type == "cuda"
+        self.spans: list = []
+        self._start = None
+
+    def _mark(self):
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def begin(self) -> None:
+        if self.enabled:
+            self._start = self._mark()
+
+    def end(self) -> None:
+        if self.enabled:
+            self.spans.append((self._start, self._mark()))
+
+    def summary(self) -> dict:
+        """busy_s: summed compute; wall_s: first start to last end; busy_fraction."""
+        if not self.spans:
+            return {"busy_s": 0.0, "wall_s": 0.0, "busy_fraction": 0.0, "num_steps": 0}
+        if self.cuda:
+            torch.cuda.synchronize()
+            busy = sum(a.elapsed_time(b) for a, b in self.spans) / 1e3
+            wall = self.spans[0][0].elapsed_time(self.spans[-1][1]) / 1e3
+        else:
+            busy = sum(b - a for a, b in self.spans)
+            wall = self.spans[-1][1] - self.spans[0][0]
+        return {"busy_s": busy, "wall_s": wall, "busy_fraction": busy / wall if wall else 0.0,
+                "num_steps": len(self.spans)}
 
 
 def _device(config: EngineConfig, local_rank: int) -> torch.device:
