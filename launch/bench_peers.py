@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -217,7 +218,8 @@ def main(argv=None) -> None:
             r = json.loads(line[7:])
             if "wall_s" in r:
                 r["tokens_per_s"] = total / r["wall_s"]
-            stages = [json.loads(l[12:]) for l in proc.stdout.splitlines() if l.startswith("STAGE_STATS ")]
+            # Workers print concurrently, so lines may interleave: pick out each JSON object.
+            stages = [json.loads(m) for m in re.findall(r"STAGE_STATS (\{[^{}]*\})", proc.stdout)]
             if stages:
                 r["stages"] = sorted(stages, key=lambda d: d["rank"])
             results[name] = r
