@@ -84,7 +84,7 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
     llm = LLM(
         folder,
         load_format="auto" if has_weights else "dummy",
-        dtype="bfloat16",
+        dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
         block_size=args.block_size,
@@ -187,6 +187,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gpt2_tokenizer.json"))
     p.add_argument("--workdir", default=None)
+    p.add_argument("--dtype", default="bfloat16", help="pipeserve's dtype (peers run bf16)")
     p.add_argument("--weights", action="store_true", help="write real (random) weights even if no peer needs them")
     p.add_argument("--out", default=None, help="write all results as JSON here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
