@@ -29,9 +29,9 @@ class ParallelConfig:
     """Micro-batches in the pipeline at once; None = pp."""
     stage_layers: list[int] | None = None
     """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers)."""
-    host: str = "127.0.0.1"
-    """Address the engine binds its ZeroMQ sockets to (the rendezvous host's interface on
-    multi-node runs; never all interfaces)."""
+    host: str | None = None
+    """Address the engine binds its ZeroMQ sockets to; None = 127.0.0.1 on one node, the
+    rendezvous host's interface (torchrun's MASTER_ADDR) across nodes. Never all interfaces."""
     liveness_timeout_s: float = 10.0
     """A worker silent this long is declared dead; workers exit when the engine is."""
 
@@ -48,6 +48,10 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp
+
+    @property
+    def bind_host(self) -> str:
+        return self.host or "127.0.0.1"
 
     @property
     def depth(self) -> int:

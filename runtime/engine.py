@@ -339,7 +339,7 @@ def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
         env = {"PIPESERVE_ENGINE_CONFIG": json.dumps(engine_config_to_dict(config))}
         launch = launch_torchrun(par.world_size, env)
     return DistributedExecutor(
-        world_size=par.world_size, depth=par.depth, host=par.host,
+        world_size=par.world_size, depth=par.depth, host=par.bind_host,
         liveness_timeout_s=par.liveness_timeout_s, launch=launch,
     )
 

@@ -100,7 +100,7 @@ def main() -> int:
     requests, updates = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (requests, updates):
         sock.setsockopt(zmq.LINGER, 1000)
-    host = f"tcp://{config.parallel.host}"
+    host = f"tcp://{config.parallel.bind_host}"
     endpoints = {
         "requests": f"{host}:{requests.bind_to_random_port(host)}",
         "updates": f"{host}:{updates.bind_to_random_port(host)}",

@@ -48,6 +48,7 @@ def start(config: EngineConfig):
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     ctx = build_parallel_context(config.parallel.tp, config.parallel.pp)
     control = dist.new_group(backend="gloo")  # every rank creates it, in the same order
+    config = _with_rendezvous_host(config)
     engine_proc = _start_engine(config) if rank == 0 else None
     endpoints = _broadcast_json(engine_proc and engine_proc.endpoints, control)
     torch.manual_seed(config.seed)
@@ -66,6 +67,19 @@ def start(config: EngineConfig):
     thread = threading.Thread(target=_serve, args=(worker, channel), name="pipeserve-worker0", daemon=True)
     thread.start()
     return EngineClient(config, engine_proc, endpoints, worker_thread=thread)
+
+
+def _with_rendezvous_host(config: EngineConfig) -> EngineConfig:
+    """Across nodes the engine must be reachable from the other nodes: bind it to the
+    rendezvous host's interface (torchrun's MASTER_ADDR) unless parallel.host was set."""
+    import dataclasses
+    import socket
+
+    nnodes = int(os.environ["WORLD_SIZE"]) // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    if nnodes <= 1 or config.parallel.host is not None or "MASTER_ADDR" not in os.environ:
+        return config
+    host = socket.gethostbyname(os.environ["MASTER_ADDR"])
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, host=host))
 
 
 def _serve(worker: Worker, channel: WorkerChannel) -> None:

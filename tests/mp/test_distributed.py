@@ -36,7 +36,9 @@ def reference():
         return [o.outputs[0].token_ids for o in llm.chat(chats(), GREEDY)]
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2), (1, 3), (2, 2)], ids=["tp2", "pp2", "pp3", "tp2pp2"])
+@pytest.mark.parametrize(
+    "tp, pp", [(2, 1), (1, 2), (1, 3), (2, 2), (1, 4)], ids=["tp2", "pp2", "pp3", "tp2pp2", "pp4"]
+)
 def test_greedy_tokens_match_single_process(reference, tp, pp):
     with LLM(**COMMON, tensor_parallel_size=tp, pipeline_parallel_size=pp) as llm:
         outs = llm.chat(chats(), GREEDY)

@@ -20,7 +20,9 @@ ARGS = [
     "scheduler.max_num_batched_tokens=32", "sampling.max_tokens=10",
     "prompts=[What is the capital of France?,Name a planet.,What do bees make?]",
 ]
-PARALLEL = ["parallel.tp=2", "parallel.pp=2"]
+# Both "nodes" are this host: keep the engine on loopback (across real nodes it binds to the
+# rendezvous host's interface by default).
+PARALLEL = ["parallel.tp=2", "parallel.pp=2", "parallel.host=127.0.0.1"]
 
 
 def free_port() -> int:
