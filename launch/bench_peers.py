@@ -95,7 +95,10 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
     llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     _sync()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    if args.profile:
+        outs = _profiled(lambda: llm.generate(prompts, params), args.profile)
+    else:
+        outs = llm.generate(prompts, params)
     _sync()
     wall = time.perf_counter() - t0
     assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
@@ -104,6 +107,21 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
     blocks = llm.engine.state.num_kv_blocks
     llm.close()
     return {"wall_s": wall, "num_kv_blocks": blocks}
+
+
+def _profiled(fn, path: str):
+    """torch.profiler over one call; the top operators by device (else CPU) time go to `path`."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        out = fn()
+    key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by=key, row_limit=40))
+        f.write("\n\n" + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+    return out
 
 
 def run_transformers(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
@@ -187,6 +205,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gpt2_tokenizer.json"))
     p.add_argument("--workdir", default=None)
+    p.add_argument("--profile", default=None, help="write a torch.profiler table of the pipeserve run here")
     p.add_argument("--dtype", default="bfloat16", help="pipeserve's dtype (peers run bf16)")
     p.add_argument("--weights", action="store_true", help="write real (random) weights even if no peer needs them")
     p.add_argument("--out", default=None, help="write all results as JSON here")
