@@ -29,7 +29,7 @@ class StepInputs:
         token_ids: list[int] = []
         for s in out.scheduled:
             start = s.num_computed_tokens
-            token_ids.extend(s.request.all_token_ids[start : start + s.num_scheduled_tokens])
+            token_ids.extend(s.request.token_ids_between(start, start + s.num_scheduled_tokens))
         return cls(
             request_ids=[s.request.request_id for s in out.scheduled],
             token_ids=token_ids,

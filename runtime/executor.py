@@ -118,6 +118,7 @@ class DistributedExecutor:
         self.num_kv_blocks = min(h.num_kv_blocks for h in hellos.values())
         atexit.register(self.close)  # never leave workers behind a script that forgot close()
         self._differ = BlockTableDiffer()
+        self._restarts: dict[str, int] = {}  # request id -> its num_preemptions at its last plan
         self._freed: list[str] = []
         self._results: dict[int, StepResult] = {}
         self._closed = False
@@ -129,12 +130,17 @@ class DistributedExecutor:
 
     def _seq_plan(self, s, sample: SampleRequest | None) -> SeqPlan:
         start = s.num_computed_tokens
+        if self._restarts.get(s.request_id, 0) != s.request.num_preemptions:
+            # Preempted since its last plan (maybe in an empty plan, never submitted): its new
+            # table may hold its old blocks at other positions, so it must go in full.
+            self._differ.forget(s.request_id)
+            self._restarts[s.request_id] = s.request.num_preemptions
         full, diff = self._differ.plan_for(s.request_id, s.block_table)
         return SeqPlan(
             request_id=s.request_id,
             num_computed_tokens=start,
             num_scheduled_tokens=s.num_scheduled_tokens,
-            new_token_ids=s.request.all_token_ids[start : start + s.num_scheduled_tokens],
+            new_token_ids=s.request.token_ids_between(start, start + s.num_scheduled_tokens),
             block_table=full,
             block_table_diff=diff,
             needs_sample=s.needs_sample,
@@ -163,6 +169,7 @@ class DistributedExecutor:
         """The request is finished (or aborted): workers drop its state with the next plan."""
         self._freed.append(request_id)
         self._differ.forget(request_id)
+        self._restarts.pop(request_id, None)
 
     def idle(self) -> None:
         """Called by an idle engine loop: keeps the engine heartbeat going, checks workers."""

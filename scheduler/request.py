@@ -91,6 +91,16 @@ class Request:
         """Prompt followed by outputs (a new list each call)."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """``all_token_ids[start:stop]`` without building the whole list (a decode step reads
+        one token; copying the whole context each step would cost O(context))."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
     @property
     def num_remaining_tokens(self) -> int:
         """Known tokens not yet computed nor in flight."""
