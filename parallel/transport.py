@@ -167,6 +167,9 @@ class EngineChannel:
         self.hellos: dict[int, Hello] = {}
         self._ctx = zmq.Context()
         self._pub = _make_socket(self._ctx, zmq.PUB, send_timeout_s=config.send_timeout_s)
+        self._pub_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._beat_thread: threading.Thread | None = None
         # Block (bounded by SNDTIMEO) rather than silently drop a plan for a slow worker.
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self._pull = _make_socket(self._ctx, zmq.PULL)
@@ -213,7 +216,7 @@ class EngineChannel:
                     f"no Hello from rank(s) {missing} of {self.world_size}"
                 )
             if now >= next_ready:
-                _send(self._pub, ready, "publish Ready")
+                self._publish(ready, "publish Ready")
                 next_ready = now + _READY_INTERVAL_S
             self.tick()  # workers that are already through watch for engine heartbeats
             if _poll(self._pull, min(next_ready, deadline) - now):
@@ -258,16 +261,40 @@ class EngineChannel:
 
     def send_plan(self, plan: StepPlan | Shutdown) -> None:
         """Publish one plan (or a ``Shutdown``) to every worker."""
-        _send(self._pub, [_PLAN_TOPIC, encode(plan)], "publish plan")
+        self._publish([_PLAN_TOPIC, encode(plan)], "publish plan")
         self.tick()
+
+    def _publish(self, frames: list[bytes], what: str) -> None:
+        # The heartbeat thread shares the PUB socket: the lock serializes every use of it
+        # (and is the memory barrier ZeroMQ asks for when a socket changes threads).
+        with self._pub_lock:
+            _send(self._pub, frames, what)
 
     def tick(self) -> None:
         """Publish the engine heartbeat if one is due; an idle engine loop calls this."""
-        now = time.monotonic()
-        if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
-            beat = Heartbeat(rank=ENGINE_RANK, t=time.time())
-            _send(self._pub, [_HEARTBEAT_TOPIC, encode(beat)], "publish heartbeat")
-            self._last_heartbeat = now
+        with self._pub_lock:
+            now = time.monotonic()
+            if now - self._last_heartbeat >= self.config.heartbeat_interval_s:
+                beat = Heartbeat(rank=ENGINE_RANK, t=time.time())
+                _send(self._pub, [_HEARTBEAT_TOPIC, encode(beat)], "publish heartbeat")
+                self._last_heartbeat = now
+
+    def start_heartbeats(self) -> None:
+        """Keep publishing the engine heartbeat from a thread, so workers stay up while the
+        process that owns the engine does something else (a user script between generate
+        calls, a long model load); it stops at close()."""
+        if self._beat_thread is not None:
+            return
+
+        def beat() -> None:
+            while not self._stopping.wait(self.config.heartbeat_interval_s / 2):
+                try:
+                    self.tick()
+                except (TransportError, zmq.ZMQError):
+                    return
+
+        self._beat_thread = threading.Thread(target=beat, name="pipeserve-engine-heartbeat", daemon=True)
+        self._beat_thread.start()
 
     def recv(self, timeout_s: float) -> Message | None:
         """Next message from any worker, or ``None`` after ``timeout_s``.
@@ -301,6 +328,9 @@ class EngineChannel:
 
     def close(self) -> None:
         """Close both sockets without waiting for unsent messages."""
+        self._stopping.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(timeout=5.0)
         self._pub.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()

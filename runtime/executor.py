@@ -116,6 +116,7 @@ class DistributedExecutor:
             self.close()
             raise
         self.num_kv_blocks = min(h.num_kv_blocks for h in hellos.values())
+        self.channel.start_heartbeats()
         atexit.register(self.close)  # never leave workers behind a script that forgot close()
         self._differ = BlockTableDiffer()
         self._restarts: dict[str, int] = {}  # request id -> its num_preemptions at its last plan
