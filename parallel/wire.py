@@ -2,7 +2,9 @@
 
 Engine → workers: ``Ready`` (handshake), ``StepPlan`` (one per micro-batch), ``Heartbeat``
 (rank ``ENGINE_RANK``) and ``Shutdown``. Workers → engine: ``Hello``, ``StepResult`` (last
-stage, TP rank 0), ``Heartbeat`` and ``WorkerError``.
+stage, TP rank 0), ``Heartbeat`` and ``WorkerError``. Client → engine: ``AddRequest``,
+``AbortRequest``, ``Shutdown``; engine → client: ``RequestUpdate`` and, for a serving
+frontend, ``StreamUpdates`` (per-step deltas) and ``EngineStats`` (see ``FrontendMessage``).
 
 Top-level messages are msgpack maps tagged by a ``type`` field and carry ``version``, so a peer
 built from another revision is rejected with a clear ``WireError`` instead of being
@@ -165,12 +167,28 @@ class AddRequest(_Message, frozen=True, kw_only=True):
     prompt_token_ids: list[int]
     prompt: str | None = None
     params: dict[str, Any] = {}
+    stream: bool = False
+    """Send a ``StreamDelta`` after every step that adds output (in a ``StreamUpdates``);
+    otherwise one ``RequestUpdate`` when the request ends."""
 
 
 class AbortRequest(_Message, frozen=True, kw_only=True):
     """Client → engine: stop a request and free its KV blocks."""
 
     request_id: str
+
+
+class RequestTimings(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A finished request's latencies in seconds, measured by the engine from its arrival."""
+
+    queue_s: float | None
+    """Arrival to first scheduled (scheduling delay); None if never scheduled."""
+    ttft_s: float | None
+    """Arrival to first output token; None if it produced none."""
+    e2e_s: float
+    """Arrival to finish."""
+    tbt_s: list[float] = []
+    """Gaps between consecutive output tokens (time between tokens)."""
 
 
 class RequestUpdate(_Message, frozen=True, kw_only=True):
@@ -184,6 +202,42 @@ class RequestUpdate(_Message, frozen=True, kw_only=True):
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None
+    timings: RequestTimings | None = None
+
+
+class StreamDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """What one streaming request gained since its previous delta: the deltas of a request,
+    concatenated, are its whole output. Text that a stop string may still cut is held back
+    until it can no longer be cut, so ``text`` is never retracted."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    timings: RequestTimings | None = None
+
+
+class StreamUpdates(_Message, frozen=True, kw_only=True):
+    """Engine → client (serving): the deltas of every streaming request one step advanced."""
+
+    deltas: list[StreamDelta]
+
+
+class EngineStats(_Message, frozen=True, kw_only=True):
+    """Engine → client (serving), periodically and when the engine goes idle."""
+
+    num_waiting: int
+    num_running: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    stage_busy_fraction: list[float] = []
+    """Per pipeline stage, busy time / wall time while the engine had work, since the
+    previous stats; empty where the engine cannot measure it."""
+    draining: bool = False
+    """The engine got SIGTERM: it takes no new requests and exits once the last one ends."""
 
 
 Message = Union[
@@ -191,8 +245,14 @@ Message = Union[
     AddRequest, AbortRequest, RequestUpdate,
 ]
 
+FrontendMessage = Union[RequestUpdate, StreamUpdates, EngineStats]
+"""What a serving client (the HTTP frontend) reads from the engine's updates socket. The
+offline client (``EngineClient``) never asks for streams or stats, so it only sees
+``RequestUpdate`` and may keep decoding with ``decode``."""
+
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_frontend_decoder = msgspec.msgpack.Decoder(FrontendMessage)
 
 
 def encode(msg: Message) -> bytes:
@@ -202,8 +262,17 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     """Parse one message; raise ``WireError`` on garbage, unknown types or another version."""
+    return _decode(_decoder, data)
+
+
+def decode_frontend(data: bytes) -> FrontendMessage:
+    """``decode`` for the messages a serving client reads (``FrontendMessage``)."""
+    return _decode(_frontend_decoder, data)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder, data: bytes):
     try:
-        msg = _decoder.decode(data)
+        msg = decoder.decode(data)
     except msgspec.DecodeError as exc:
         # A newer peer may fail validation before its version is looked at; report the
         # version, which is the actual cause, when it can be read.

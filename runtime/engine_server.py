@@ -1,27 +1,45 @@
 """The engine as its own process, serving one client over ZeroMQ.
 
-    python -m pipeserve.runtime.engine_server        (started by rank 0 under torchrun)
+    python -m pipeserve.runtime.engine_server            (SPMD: started by rank 0 under torchrun)
+    python -m pipeserve.runtime.engine_server --serve    (started by the HTTP frontend)
 
 It binds two sockets on the configured host (requests in: PULL; updates out: PUSH), prints
-one JSON line with every endpoint the workers and the client need, handshakes with the
-torchrun workers, then loops: take requests and aborts → step → send finished outputs.
-Keeping it out of rank 0's process means scheduling never competes with stage 0's kernel
-launches for the GIL.
+one JSON line with every endpoint the workers and the client need, then loops: take requests
+and aborts → step → send outputs. Under SPMD the torchrun ranks are the workers (the line is
+printed before the handshake, for rank 0 to hand on); with ``--serve`` the engine starts its
+own torchrun workers when tp × pp > 1, and prints the line once it is ready to serve, with
+what the frontend needs to validate requests (max_model_len, vocab size, KV blocks).
+
+Keeping the engine out of the frontend's (or rank 0's) process means scheduling never competes
+with HTTP, detokenization or stage 0's kernel launches for the GIL.
+
+Streaming requests (``AddRequest.stream``) get one ``StreamDelta`` per step that adds output,
+all deltas of a step in one ``StreamUpdates``; the others one ``RequestUpdate`` at the end.
+With ``--serve`` the engine also publishes ``EngineStats`` (queue, KV, stage busy time)
+every ``PIPESERVE_STATS_INTERVAL_S`` seconds and whenever it goes idle. SIGTERM drains: new
+requests are refused, running ones finish, then the process exits 0. The engine exits by
+itself when its parent (the frontend or rank 0) dies.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 
 import zmq
 
 from pipeserve.parallel.wire import (
     AbortRequest,
     AddRequest,
+    EngineStats,
+    RequestTimings,
     RequestUpdate,
     Shutdown,
+    StreamDelta,
+    StreamUpdates,
     WireError,
     decode,
     encode,
@@ -29,7 +47,7 @@ from pipeserve.parallel.wire import (
 from pipeserve.runtime.config import engine_config_from_dict
 from pipeserve.runtime.engine import LLMEngine
 from pipeserve.runtime.executor import WorkerFailure
-from pipeserve.runtime.outputs import RequestOutput
+from pipeserve.runtime.outputs import RequestMetrics, RequestOutput
 from pipeserve.runtime.sampling_params import SamplingParams
 
 
@@ -38,26 +56,97 @@ def update_of(out: RequestOutput) -> RequestUpdate:
     return RequestUpdate(
         request_id=out.request_id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
         stop_reason=c.stop_reason, logprobs=c.logprobs, error=out.error,
+        timings=timings_of(out.metrics) if out.finished else None,
     )
 
 
+def timings_of(m: RequestMetrics | None) -> RequestTimings | None:
+    if m is None:
+        return None
+    since = lambda t: None if t is None else t - m.arrival_time  # noqa: E731
+    finished = m.finished_time if m.finished_time is not None else time.monotonic()
+    gaps = [b - a for a, b in zip(m.token_times, m.token_times[1:])]
+    return RequestTimings(queue_s=since(m.first_scheduled_time), ttft_s=since(m.first_token_time),
+                          e2e_s=finished - m.arrival_time, tbt_s=gaps)
+
+
+class _Stream:
+    """How much of one streaming request's output has been sent."""
+
+    __slots__ = ("num_tokens", "text_len", "holdback")
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.num_tokens = 0
+        self.text_len = 0
+        # A stop string may begin in the last len(stop) - 1 characters: they are sent only once
+        # the request finishes (or they fall further back), so sent text is never cut.
+        self.holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    def delta(self, out: RequestOutput) -> StreamDelta | None:
+        c = out.outputs[0]
+        end = len(c.text) if out.finished else max(self.text_len, len(c.text) - self.holdback)
+        text = c.text[self.text_len:end]
+        new_ids = c.token_ids[self.num_tokens:]
+        if not out.finished and not new_ids and not text:
+            return None
+        logprobs = None if c.logprobs is None else c.logprobs[self.num_tokens:]
+        self.num_tokens, self.text_len = len(c.token_ids), max(self.text_len, end)
+        return StreamDelta(
+            request_id=out.request_id, token_ids=new_ids, text=text, logprobs=logprobs,
+            finish_reason=c.finish_reason, stop_reason=c.stop_reason, error=out.error,
+            timings=timings_of(out.metrics) if out.finished else None,
+        )
+
+
 class EngineServer:
-    def __init__(self, engine: LLMEngine, requests: zmq.Socket, updates: zmq.Socket) -> None:
+    def __init__(self, engine: LLMEngine, requests: zmq.Socket, updates: zmq.Socket, *,
+                 stats_interval_s: float | None = None) -> None:
+        """`stats_interval_s`: publish EngineStats that often (None: never, for clients that
+        read only RequestUpdate)."""
         self.engine, self.requests, self.updates = engine, requests, updates
+        self.stats_interval_s = stats_interval_s
         self._stop = False
+        self._draining = False
+        self._streams: dict[str, _Stream] = {}
+        self._parent = os.getppid()
+        self._busy_s = self._active_s = 0.0
+        self._last_stats = 0.0
+
+    def drain(self, *_) -> None:
+        """Refuse new requests; exit the loop once the running ones have finished."""
+        self._draining = True
 
     def serve(self) -> None:
+        if self.engine.config.parallel.world_size == 1:
+            self._time_model(self.engine.executor)
         while not self._stop:
+            t0 = time.monotonic()
             busy = self.engine.has_unfinished_requests()
-            self._take_messages(timeout_ms=0 if busy else 100)
-            if self._stop:
-                break
+            self._take_messages(timeout_ms=0 if busy else 50)
+            if self._stop or os.getppid() != self._parent:
+                break  # told to, or orphaned: nobody is left to read our outputs
             if not self.engine.has_unfinished_requests():
+                if self._draining:
+                    break
                 self.engine.executor.idle()
+                self._publish_stats(force=busy)  # just went idle: report the freed KV now
                 continue
-            for out in self.engine.step():
-                if out.finished:
-                    self._send(update_of(out))
+            self._send_outputs(self.engine.step())
+            self._active_s += time.monotonic() - t0
+            self._publish_stats()
+        self._publish_stats(force=True)
+
+    def _time_model(self, executor) -> None:
+        """In one process the model runs inside the executor's submit(): its time is stage 0's
+        busy time (the rest of a busy loop is scheduling, detokenization and messaging)."""
+        submit = executor.submit
+
+        def timed_submit(plan, samples) -> None:
+            t0 = time.monotonic()
+            submit(plan, samples)
+            self._busy_s += time.monotonic() - t0
+
+        executor.submit = timed_submit
 
     def _take_messages(self, timeout_ms: int) -> None:
         while self.requests.poll(timeout_ms):
@@ -70,36 +159,88 @@ class EngineServer:
             if isinstance(msg, AddRequest):
                 self._add(msg)
             elif isinstance(msg, AbortRequest):
-                if self.engine.abort_request(msg.request_id):
-                    self._send(update_of(self.engine.take_aborted(msg.request_id)))
+                self._abort(msg.request_id)
             elif isinstance(msg, Shutdown):
                 self._stop = True
                 return
 
     def _add(self, msg: AddRequest) -> None:
         try:
+            if self._draining:
+                raise ValueError("the server is shutting down")
             params = SamplingParams(**msg.params)
             prompt = msg.prompt if msg.prompt is not None and not msg.prompt_token_ids else msg.prompt_token_ids
             self.engine.add_request(msg.request_id, prompt, params)
         except (ValueError, TypeError) as e:
             self._send(RequestUpdate(request_id=msg.request_id, token_ids=[], text="",
                                      finish_reason="error", error=str(e)))
+            return
+        if msg.stream:
+            self._streams[msg.request_id] = _Stream(params)
 
-    def _send(self, update: RequestUpdate) -> None:
-        self.updates.send(encode(update))
+    def _abort(self, request_id: str) -> None:
+        if self.engine.abort_request(request_id):
+            self._send_outputs([self.engine.take_aborted(request_id)])
+
+    def _send_outputs(self, outs: list[RequestOutput]) -> None:
+        deltas = []
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                if out.finished:
+                    self._send(update_of(out))
+                continue
+            if (d := stream.delta(out)) is not None:
+                deltas.append(d)
+            if out.finished:
+                del self._streams[out.request_id]
+        if deltas:
+            self._send(StreamUpdates(deltas=deltas))
+
+    def _publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.stats_interval_s is None or (not force and now - self._last_stats < self.stats_interval_s):
+            return
+        sched = self.engine.scheduler
+        self._send(EngineStats(
+            num_waiting=sched.num_waiting, num_running=sched.num_running,
+            num_kv_blocks=self.engine.state.num_kv_blocks,
+            num_free_kv_blocks=sched.block_manager.num_free_blocks,
+            stage_busy_fraction=self._stage_busy_fraction(), draining=self._draining,
+        ))
+        self._last_stats = now
+        self._busy_s = self._active_s = 0.0
+
+    def _stage_busy_fraction(self) -> list[float]:
+        # Torchrun workers time their own stages but report it only at shutdown, so with
+        # tp × pp > 1 there is nothing measured to say here.
+        if self.engine.config.parallel.world_size != 1 or self._active_s == 0.0:
+            return []
+        return [min(1.0, self._busy_s / self._active_s)]
+
+    def _send(self, msg) -> None:
+        self.updates.send(encode(msg))
 
     def fail_all(self, message: str) -> None:
+        """Every request still known ends with finish_reason "error" (the workers failed)."""
         for rid in list(self.engine._requests):
-            self._send(RequestUpdate(request_id=rid, token_ids=[], text="", finish_reason="error",
-                                     error=message))
+            if rid in self._streams:
+                delta = StreamDelta(request_id=rid, token_ids=[], text="", finish_reason="error", error=message)
+                self._send(StreamUpdates(deltas=[delta]))
+            else:
+                self._send(RequestUpdate(request_id=rid, token_ids=[], text="", finish_reason="error",
+                                         error=message))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    serving = "--serve" in (sys.argv[1:] if argv is None else argv)
     config = engine_config_from_dict(json.loads(os.environ["PIPESERVE_ENGINE_CONFIG"]))
     ctx = zmq.Context()
     requests, updates = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (requests, updates):
         sock.setsockopt(zmq.LINGER, 1000)
+    # The frontend bounds what it has in flight; never block the engine loop on a send.
+    updates.setsockopt(zmq.SNDHWM, 0)
     host = f"tcp://{config.parallel.bind_host}"
     endpoints = {
         "requests": f"{host}:{requests.bind_to_random_port(host)}",
@@ -112,8 +253,15 @@ def main() -> int:
         endpoints.update(plan=plan_endpoint, result=result_endpoint)
         print(json.dumps(endpoints), flush=True)
 
-    engine = LLMEngine(config, launch=announce)
-    server = EngineServer(engine, requests, updates)
+    if serving:
+        # Ctrl-C in a terminal reaches the frontend, which drains and then shuts us down.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    engine = LLMEngine(config, launch=None if serving else announce)
+    interval = float(os.environ.get("PIPESERVE_STATS_INTERVAL_S", "0.5"))
+    server = EngineServer(engine, requests, updates, stats_interval_s=interval if serving else None)
+    signal.signal(signal.SIGTERM, server.drain)
+    if serving:
+        print(json.dumps(dict(endpoints, **_serving_info(engine))), flush=True)
     code = 0
     try:
         server.serve()
@@ -126,6 +274,18 @@ def main() -> int:
         requests.close()
         updates.close()
     return code
+
+
+def _serving_info(engine: LLMEngine) -> dict:
+    """What the frontend needs to check requests exactly as the engine will."""
+    return {
+        "max_model_len": engine.state.max_model_len,
+        "vocab_size": engine.model_config.vocab_size,
+        "num_kv_blocks": engine.state.num_kv_blocks,
+        "block_size": engine.config.block_size,
+        "max_num_seqs": engine.config.scheduler.max_num_seqs,
+        "pid": os.getpid(),
+    }
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""`pipeserve serve`: the OpenAI-compatible HTTP server as a Hydra app (configs/serve.yaml).
+
+The frontend (this process: HTTP, tokenization, chat templates) starts the engine process,
+which starts tp × pp torchrun workers itself when parallel.tp × parallel.pp > 1.
+`--api-key KEY`, `--host H` and `--port P` are accepted as shorthands for `server.*=`.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipeserve.launch.generate import engine_config
+from pipeserve.runtime.api_server import ServerConfig, run
+
+_FLAGS = {"--api-key": "server.api_key", "--host": "server.host", "--port": "server.port"}
+
+
+def server_config(cfg: DictConfig) -> ServerConfig:
+    return ServerConfig(**OmegaConf.to_container(cfg.server, resolve=True))
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="serve")
+def _app(cfg: DictConfig) -> None:
+    code = run(engine_config(cfg), server_config(cfg))
+    if code:
+        sys.exit(code)
+
+
+def _flags_to_overrides(argv: list[str]) -> list[str]:
+    out, i = [], 0
+    while i < len(argv):
+        name, eq, value = argv[i].partition("=")
+        if name in _FLAGS:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise SystemExit(f"{name} needs a value")
+                i, value = i + 1, argv[i + 1]
+            out.append(f"{_FLAGS[name]}={value}" if name == "--port" else f"{_FLAGS[name]}={_quoted(value)}")
+        else:
+            out.append(argv[i])
+        i += 1
+    return out
+
+
+def _quoted(value: str) -> str:
+    """A Hydra quoted string (taken as a string whatever it looks like): backslashes before a
+    quote or at the end are doubled, then quotes escaped (Hydra's override grammar)."""
+    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
+    return "'" + value.replace("'", "\\'") + "'"
+
+
+def main() -> None:
+    sys.argv = [sys.argv[0], *_flags_to_overrides(sys.argv[1:])]
+    _app()
+
+
+if __name__ == "__main__":
+    main()

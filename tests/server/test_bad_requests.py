@@ -1,0 +1,89 @@
+"""Bad requests: each gets a 4xx with an OpenAI-style error body, and the server keeps serving
+(nothing is left in flight, no KV block is held)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers_server import API_KEY
+
+pytestmark = pytest.mark.timeout(300)
+
+CHAT = "/v1/chat/completions"
+COMP = "/v1/completions"
+MSG = [{"role": "user", "content": "Hi"}]
+LONG_PROMPT = "hello " * 600  # > max_model_len (512) tokens
+
+
+def js(body) -> bytes:
+    return json.dumps(body).encode()
+
+
+# (id, path, raw body, expected status, a word the error message must contain)
+CASES = [
+    ("invalid-json", CHAT, b'{"messages": [', 400, "JSON"),
+    ("not-an-object", CHAT, b'[1, 2, 3]', 400, "object"),
+    ("empty-body", COMP, b"", 400, "JSON"),
+    ("non-utf8", COMP, b'{"prompt": "\xff\xfe bad"}', 400, "JSON"),
+    ("missing-messages", CHAT, js({"max_tokens": 2}), 400, "messages"),
+    ("missing-prompt", COMP, js({"max_tokens": 2}), 400, "prompt"),
+    ("messages-wrong-type", CHAT, js({"messages": "hi"}), 400, "messages"),
+    ("max-tokens-string", COMP, js({"prompt": "a", "max_tokens": "ten"}), 400, "max_tokens"),
+    ("temperature-string", COMP, js({"prompt": "a", "temperature": "hot"}), 400, "temperature"),
+    ("bad-role", CHAT, js({"messages": [{"role": "wizard", "content": "x"}]}), 400, "role"),
+    ("unknown-field", CHAT, js({"messages": MSG, "frobnicate": True}), 400, "frobnicate"),
+    ("max-tokens-zero", COMP, js({"prompt": "a", "max_tokens": 0}), 400, "max_tokens"),
+    ("max-tokens-negative", CHAT, js({"messages": MSG, "max_tokens": -5}), 400, "max_tokens"),
+    ("max-tokens-above-context", COMP, js({"prompt": "a", "max_tokens": 100000}), 400, "max_model_len"),
+    ("prompt-too-long", COMP, js({"prompt": LONG_PROMPT, "max_tokens": 1}), 400, "max_model_len"),
+    ("negative-temperature", CHAT, js({"messages": MSG, "temperature": -0.5}), 400, "temperature"),
+    ("top-p-above-one", CHAT, js({"messages": MSG, "top_p": 1.5}), 400, "top_p"),
+    ("n-zero", COMP, js({"prompt": "a", "n": 0}), 400, "n must"),
+    ("n-too-many", COMP, js({"prompt": "a", "n": 1000}), 400, "sequences"),
+    ("unknown-model", CHAT, js({"model": "gpt-9", "messages": MSG}), 404, "does not exist"),
+    ("enormous-stop-list", COMP, js({"prompt": "a", "stop": [f"s{i}" for i in range(5000)]}), 400, "stop"),
+    ("empty-prompt", COMP, js({"prompt": "", "max_tokens": 2}), 400, "empty"),
+    ("token-id-out-of-vocab", COMP, js({"prompt": [1, 2, 10**9]}), 400, "token ids"),
+    ("logprobs-too-many", COMP, js({"prompt": "a", "logprobs": 100}), 400, "logprobs"),
+    ("empty-messages", CHAT, js({"messages": []}), 400, "messages"),
+    ("stream-options-without-stream", CHAT, js({"messages": MSG, "stream_options": {"include_usage": True}}),
+     400, "stream_options"),
+    ("oversized-body", COMP, js({"prompt": "x" * (5 * 2**20)}), 413, "larger"),
+    ("unsupported-penalty", CHAT, js({"messages": MSG, "presence_penalty": 1.0}), 400, "presence_penalty"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, word", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_request(server, path, body, status, word):
+    got, _, data = server.request("POST", path, body)
+    assert got == status, data[:500]
+    err = json.loads(data)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert word.lower() in err["message"].lower(), err
+
+
+def test_unknown_route_and_method(server):
+    status, _, data = server.request("GET", "/v1/nothing-here")
+    assert status == 404 and "message" in json.loads(data)["error"]
+    status, _, data = server.request("GET", "/v1/completions")
+    assert status == 405 and "message" in json.loads(data)["error"]
+
+
+def test_wrong_api_key(server):
+    status, headers, data = server.request("GET", "/v1/models", headers={"Authorization": "Bearer nope"})
+    assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
+    assert headers.get("www-authenticate", headers.get("WWW-Authenticate")) == "Bearer"
+
+
+def test_still_serving_and_nothing_leaked(server):
+    """Runs after the table: a good request is answered and nothing is held."""
+    for _ in range(2):  # the whole table again, back to back
+        for _, path, body, status, _ in CASES:
+            assert server.request("POST", path, body)[0] == status
+    status, r = server.post(COMP, {"prompt": "The sky is", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and r["usage"]["completion_tokens"] == 2
+    m = server.wait_idle(timeout_s=30)
+    assert m["pipeserve:kv_cache_blocks_used"] == 0
+    assert m["pipeserve:requests_rejected_total[400]"] >= 2 * sum(c[3] == 400 for c in CASES)
+    assert API_KEY  # the server in this module requires the key (see conftest)

@@ -1,0 +1,49 @@
+"""`pipeserve serve parallel.pp=2`: the engine starts two torchrun workers (one per stage,
+gloo on CPU) and the HTTP API behaves exactly as in one process; if the engine dies, in-flight
+streams end with an error, the frontend exits 1 and the workers exit too (nothing hangs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import openai
+import pytest
+from helpers_server import API_KEY, MODEL, QUESTIONS, Server, chat, descendants, run_load, wait_gone
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    s = Server.start(tmp_path_factory.mktemp("pp2"), "parallel.pp=2")
+    try:
+        yield s
+    finally:
+        s.kill()
+
+
+def test_pp2_serves_like_one_process(server, pp2):
+    workers = descendants(pp2.engine_pid)
+    assert len(workers) >= 3  # torchrun and its two workers
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as one, \
+         openai.OpenAI(base_url=pp2.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as two:
+        for q in QUESTIONS[:3]:
+            kw = dict(model=MODEL, messages=chat(q), temperature=0, max_tokens=8)
+            assert two.chat.completions.create(**kw).choices[0].message.content == \
+                one.chat.completions.create(**kw).choices[0].message.content
+    # Concurrent streams through the pipeline (several micro-batches in flight).
+    single = asyncio.run(run_load(server.url, 7))
+    assert asyncio.run(run_load(pp2.url, 7)) == single
+    assert pp2.wait_idle(timeout_s=60)["pipeserve:kv_cache_blocks_used"] == 0
+
+    long = {"prompt": "Tell me a story.", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    events = pp2.stream("/v1/completions", long, timeout_s=60)
+    assert next(events)["choices"][0]["finish_reason"] is None
+    os.kill(pp2.engine_pid, signal.SIGKILL)
+    rest = list(events)  # ends (bounded by the socket timeout)
+    assert "error" in rest[-1] and "engine" in rest[-1]["error"]["message"]
+    assert pp2.proc.wait(timeout=60) == 1
+    # Workers notice the engine is gone within parallel.liveness_timeout_s (10 s).
+    assert all(wait_gone(pid, timeout_s=60) for pid in workers)

@@ -1,0 +1,72 @@
+"""The server's pure parts, without a server: request parsing, streamed-text hold-back, flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeserve.launch.serve import _flags_to_overrides
+from pipeserve.runtime.api_server import ServerConfig
+from pipeserve.runtime.engine_server import _Stream
+from pipeserve.runtime.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
+from pipeserve.runtime.sampling_params import SamplingParams
+
+
+def out(text: str, num_tokens: int, finish: str | None = None) -> RequestOutput:
+    c = CompletionOutput(index=0, text=text, token_ids=list(range(num_tokens)), finish_reason=finish)
+    return RequestOutput(request_id="r", prompt=None, prompt_token_ids=[1], outputs=[c], finished=finish is not None)
+
+
+def test_stream_holds_back_what_a_stop_string_may_cut():
+    s = _Stream(SamplingParams(stop=["END", "x"]))
+    # The engine's text grows, then the stop string "END" is found and cut off at the finish.
+    steps = [out("Hello", 1), out("Hello E", 2), out("Hello EN", 3), out("Hello ", 4, "stop")]
+    deltas = [s.delta(o) for o in steps]
+    sent = [d.text for d in deltas if d is not None]
+    assert "".join(sent) == "Hello "
+    assert all("E" not in t for t in sent)  # never streamed, then retracted
+    assert [len(d.token_ids) for d in deltas] == [1, 1, 1, 1]
+    assert deltas[-1].finish_reason == "stop"
+
+
+def test_stream_without_stop_strings_sends_everything_at_once():
+    s = _Stream(SamplingParams())
+    assert s.delta(out("Hi", 1)).text == "Hi"
+    assert s.delta(out("Hi", 2)).text == ""  # a token whose text is not complete yet
+    assert s.delta(out("Hi", 2)) is None  # nothing new: no message
+    assert s.delta(out("Hi there", 3, "length")).text == " there"
+
+
+def test_requests_parse_strictly():
+    r = parse(CompletionRequest, b'{"prompt": [[1, 2], [3]], "max_tokens": 3, "temperature": 0}')
+    assert r.prompts() == [[1, 2], [3]] and r.temperature == 0.0
+    assert parse(CompletionRequest, b'{"prompt": [5, 6]}').prompts() == [[5, 6]]
+    for body, param in [(b'{"prompt": "a", "max_tokens": "3"}', "max_tokens"),
+                        (b'{"prompt": "a", "n": 1.5}', "n"),
+                        (b'{"prompt": "a", "extra": 1}', "extra"),
+                        (b'{"messages": [{"role": "user", "content": 3}]}', "messages")]:
+        model = ChatCompletionRequest if b"messages" in body else CompletionRequest
+        with pytest.raises(ApiError) as e:
+            parse(model, body)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_chat_request_fields():
+    r = parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},'
+                                     b'{"type": "text", "text": "b"}]}], "logprobs": true, "top_logprobs": 2,'
+                                     b'"max_completion_tokens": 7}')
+    assert r.messages[0].as_template_input() == {"role": "user", "content": "ab"}
+    assert r.num_logprobs == 2 and r.token_limit == 7
+
+
+def test_flags_become_overrides():
+    assert _flags_to_overrides(["--api-key", "k1", "--port=9000", "parallel.pp=2", "--host", "0.0.0.0"]) == [
+        "server.api_key='k1'", "server.port=9000", "parallel.pp=2", "server.host='0.0.0.0'"]
+
+
+def test_server_config_validates():
+    assert ServerConfig().host == "127.0.0.1"
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError, match="api_key"):
+        ServerConfig(api_key="")
