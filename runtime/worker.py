@@ -63,7 +63,8 @@ class Worker:
         self._params: dict[str, tuple[object, object]] = {}  # rid -> (spec, SamplingParams)
         self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
         # Only when asked (benchmarks): the spans grow with every step.
-        self.busy = BusyTimer(device, enabled=bool(os.environ.get("PIPESERVE_STAGE_STATS")))
+        stats = os.environ.get("PIPESERVE_STAGE_STATS") or os.environ.get("PIPESERVE_STAGE_STATS_DIR")
+        self.busy = BusyTimer(device, enabled=bool(stats))
 
     def _agree_on_kv_blocks(self) -> int:
         """Every stage holds the same number of blocks: the fewest any rank can afford."""
@@ -100,16 +101,19 @@ class Worker:
         )
         t0 = time.perf_counter()
         inputs = to_tensors(step, block_size=self.config.block_size, device=self.device)
-        hidden_in = None if self.ctx.is_first_stage else self._recv(step.num_tokens)
+        hidden_in = None
+        if not self.ctx.is_first_stage:
+            self.busy.begin_recv()
+            hidden_in = self._recv(step.num_tokens)
         self.busy.begin()
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                             hidden_states=hidden_in)
         if not self.ctx.is_last_stage:
-            self.busy.end()
+            self.busy.end(plan.step_id)
             self._send(hidden)
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        self.busy.end()
+        self.busy.end(plan.step_id)
         if not self.ctx.is_driver:
             return None
         return self._sample(plan, logits, time.perf_counter() - t0)
@@ -154,6 +158,14 @@ class Worker:
             self._generators[seq.request_id] = make_generator(params.seed, self.device)
         return self._generators[seq.request_id]
 
+    def _write_stage_timeline(self, out_dir: str) -> None:
+        """Benchmarks: this rank's per-step timeline as JSON, read by the bench after shutdown."""
+        os.makedirs(out_dir, exist_ok=True)
+        data = dict(rank=self.ctx.rank, stage=self.ctx.stage, tp_rank=self.ctx.tp_rank,
+                    num_layers=self.num_layers, spans=self.busy.timeline())
+        with open(os.path.join(out_dir, f"stage_rank{self.ctx.rank}.json"), "w") as f:
+            json.dump(data, f)
+
     # ---- the loop ----------------------------------------------------------------------------
 
     def serve(self, channel: WorkerChannel) -> None:
@@ -169,6 +181,8 @@ class Worker:
                 if os.environ.get("PIPESERVE_STAGE_STATS"):
                     stats = dict(rank=self.ctx.rank, stage=self.ctx.stage, **self.busy.summary())
                     print("STAGE_STATS " + json.dumps(stats), flush=True)
+                if out_dir := os.environ.get("PIPESERVE_STAGE_STATS_DIR"):
+                    self._write_stage_timeline(out_dir)
                 return
             result = self.execute(msg)
             if result is not None:
@@ -177,28 +191,58 @@ class Worker:
 
 class BusyTimer:
     """Compute time of this rank's micro-batches (after the input arrived, until the output is
-    ready), from CUDA events read only at the end: no synchronize on the hot path."""
+    ready), from CUDA events read only at the end: no synchronize on the hot path.
+
+    Each span also keeps when the rank began waiting for its input (``begin_recv``) and the
+    step id, so ``timeline`` can give per-step (recv wait, compute) times on the host clock
+    (time.monotonic, shared by every process of a host)."""
 
     def __init__(self, device: torch.device, *, enabled: bool) -> None:
         self.enabled = enabled
         self.cuda = device.type == "cuda"
-        self.spans: list = []
+        self.spans: list = []  # (start, end) marks
+        self.steps: list[tuple[int, object]] = []  # (step id, recv-start mark) per span
         self._start = None
+        self._recv_start = None
+        self._ref = None  # CUDA: (event, host time) of one synchronized instant
 
     def _mark(self):
         if self.cuda:
+            if self._ref is None:  # once, before the first step: anchors events to the host clock
+                torch.cuda.synchronize()
+                ref = torch.cuda.Event(enable_timing=True)
+                ref.record()
+                torch.cuda.synchronize()
+                self._ref = (ref, time.monotonic())
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             return ev
-        return time.perf_counter()
+        return time.monotonic()
+
+    def begin_recv(self) -> None:
+        if self.enabled:
+            self._recv_start = self._mark()
 
     def begin(self) -> None:
         if self.enabled:
             self._start = self._mark()
 
-    def end(self) -> None:
+    def end(self, step_id: int = -1) -> None:
         if self.enabled:
             self.spans.append((self._start, self._mark()))
+            self.steps.append((step_id, self._recv_start if self._recv_start is not None else self._start))
+            self._recv_start = None
+
+    def timeline(self) -> list[list[float]]:
+        """[step id, recv start, compute start, compute end] per micro-batch, host seconds."""
+        if self.cuda and self.spans:
+            torch.cuda.synchronize()
+            ref, host = self._ref
+            to_host = lambda ev: host + ref.elapsed_time(ev) / 1e3  # noqa: E731
+        else:
+            to_host = float
+        return [[step, to_host(recv), to_host(a), to_host(b)]
+                for (step, recv), (a, b) in zip(self.steps, self.spans)]
 
     def summary(self) -> dict:
         """busy_s: summed compute; wall_s: first start to last end; busy_fraction."""

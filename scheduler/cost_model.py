@@ -9,6 +9,7 @@ whole prefix, which the attention term charges for.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
@@ -62,6 +63,21 @@ class CostModel:
         if set(data) != names:
             raise ValueError(f"cost model keys must be {sorted(names)}, got {sorted(data)}")
         return cls(**{k: float(v) for k, v in data.items()})
+
+    @classmethod
+    def load(cls, path: str) -> CostModel:
+        """From a JSON profile (`pipeserve profile` writes ``{"cost_model": {...}, ...}``) or a
+        bare coefficient dict. ValueError for a missing or malformed file."""
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read cost-model profile {path!r}: {e}") from None
+        if isinstance(data, dict) and "cost_model" in data:
+            data = data["cost_model"]
+        if not isinstance(data, dict):
+            raise ValueError(f"cost-model profile {path!r} holds no coefficient dict")
+        return cls.from_dict(data)
 
     @classmethod
     def fit(cls, samples: Sequence[Sample]) -> CostModel:

@@ -1,0 +1,428 @@
+"""`pipeserve bench`: run a workload through the engine and measure it (configs/bench.yaml).
+
+    pipeserve bench                                   # ShareGPT lengths, Poisson arrivals, SmolLM2
+    pipeserve bench workload=arxiv workload.rate=2 parallel.pp=2 scheduler=vllm
+    pipeserve bench --multirun scheduler=sarathi,vllm,orca scheduler.max_num_batched_tokens=256,512
+
+Requests are added to the engine when their arrival time comes (the engine steps in between),
+with random prompt token ids of the trace's lengths and ignore-EOS outputs of its output
+lengths. With parallel.tp × parallel.pp > 1 the engine stays in this process and starts the
+workers under torchrun; they write their per-step timelines at shutdown
+(PIPESERVE_STAGE_STATS_DIR), so nothing synchronizes the device while the run is timed.
+
+Writes into the run directory: result.json, trace.json (Chrome/Perfetto), latency_cdf.png,
+stage_timeline.png and steps.json; prints a result table. Under --multirun every point runs
+in its own process and the parent writes one table (launch/sweep.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import glob
+import json
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from pipeserve.launch.generate import engine_config
+from pipeserve.runtime import metrics as M
+from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.engine import LLMEngine
+from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.runtime.workload import RequestSpec, WorkloadConfig, build_workload, workload_summary
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchOptions:
+    warmup_requests: int = 2
+    """Short requests run (and discarded) before the timed run."""
+    progress: bool = True
+    """tqdm progress bar while the run goes."""
+    plots: bool = True
+    """Write latency_cdf.png and stage_timeline.png."""
+    save_steps: bool = True
+    """Write steps.json: every micro-batch's sequences, in-flight set and times."""
+    peak_tflops: float | None = None
+    """Per-device peak for MFU; None = a known card's bf16 dense peak (else no MFU)."""
+    peak_mem_bw_gbps: float | None = None
+    """Per-device memory bandwidth for MBU; None = a known card's (else no MBU)."""
+
+    def __post_init__(self) -> None:
+        if self.warmup_requests < 0:
+            raise ValueError("bench.warmup_requests must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CapacityOptions:
+    enabled: bool = False
+    """After the run, binary-search the arrival rate that meets the SLO below."""
+    tbt_p99_slo_s: float = 0.1
+    """P99 time between tokens must stay at or below this."""
+    scheduling_delay_p50_slo_s: float = 2.0
+    """P50 scheduling delay must stay at or below this (Sarathi-Serve's definition)."""
+    start_rate: float | None = None
+    """First rate probed (requests/s); None = workload.rate (or the trace's own rate)."""
+    rel_tol: float = 0.05
+    """Stop when the bracket is within this fraction of its upper end."""
+    max_probes: int = 12
+    num_requests: int | None = None
+    """Requests per probe; None = workload.num_requests."""
+
+    def __post_init__(self) -> None:
+        if self.tbt_p99_slo_s <= 0 or self.scheduling_delay_p50_slo_s <= 0 or self.rel_tol <= 0:
+            raise ValueError("capacity SLOs and rel_tol must be > 0")
+
+
+@dataclass(slots=True)
+class RunData:
+    """What one workload run leaves behind (times are time.monotonic seconds)."""
+
+    requests: list[M.RequestTimes]
+    specs: dict[str, RequestSpec]
+    t0: float
+    t_end: float
+    first_step: int
+    end_step: int
+
+
+# ---- running a workload ----------------------------------------------------------------------
+
+
+class Bench:
+    """An engine plus the bookkeeping to time workloads on it."""
+
+    def __init__(self, config: EngineConfig, *, loaded=None, stage_dir: str | None = None) -> None:
+        config = dataclasses.replace(config, record_steps=True)
+        self.stage_dir = stage_dir
+        if config.parallel.world_size > 1:
+            self.stage_dir = stage_dir or tempfile.mkdtemp(prefix="pipeserve-stages-")
+            os.environ["PIPESERVE_STAGE_STATS_DIR"] = self.stage_dir  # torchrun passes it on
+        self.engine = LLMEngine(config, loaded=loaded)
+        self.local_timer = None
+        if config.parallel.world_size == 1:
+            self.local_timer = M.LocalStageTimer(self.engine.executor)
+            self.engine.executor = self.local_timer
+        self.config = config
+        self._seq = 0
+
+    @property
+    def next_step_id(self) -> int:
+        records = self.engine.step_records
+        return records[-1].step_id + 1 if records else 0
+
+    def fit(self, specs: list[RequestSpec]) -> tuple[list[RequestSpec], int]:
+        """Cut prompts/outputs to the engine's max_model_len; returns (specs, how many were cut)."""
+        limit = self.engine.state.max_model_len
+        out, cut = [], 0
+        for s in specs:
+            prompt = min(s.prompt_len, limit - 1)
+            output = max(1, min(s.output_len, limit - prompt))
+            cut += (prompt, output) != (s.prompt_len, s.output_len)
+            out.append(dataclasses.replace(s, prompt_len=prompt, output_len=output))
+        return out, cut
+
+    def run(self, specs: list[RequestSpec], *, seed: int, prefix: str = "r", progress: bool = False,
+            desc: str = "bench") -> RunData:
+        """Adds each request when its arrival time comes, steps the engine in between, and
+        returns when every request has finished."""
+        import numpy as np
+        from tqdm import tqdm
+
+        rng = np.random.default_rng(seed)
+        vocab = self.engine.model_config.vocab_size
+        # Drawn before the clock starts, so making prompts never delays an arrival.
+        prompts = {s.index: rng.integers(0, vocab, s.prompt_len) for s in specs}
+        pending = deque(sorted(specs, key=lambda s: s.arrival_s))
+        finished: list[M.RequestTimes] = []
+        first_step = self.next_step_id
+        bar = tqdm(total=len(specs), desc=desc, unit="req", disable=not progress, dynamic_ncols=True)
+        t0 = time.monotonic()
+        while pending or self.engine.has_unfinished_requests():
+            self._add_arrivals(pending, prompts, prefix, t0)
+            if not self.engine.has_unfinished_requests():
+                self.engine.executor.idle()  # heartbeats while waiting for the next arrival
+                time.sleep(min(max(t0 + pending[0].arrival_s - time.monotonic(), 0.0), 0.05))
+                continue
+            done = self._step()
+            finished += done
+            bar.update(len(done))
+            bar.set_postfix(running=self.engine.scheduler.num_running,
+                            waiting=self.engine.scheduler.num_waiting, refresh=False)
+        bar.close()
+        t_end = max((r.finished for r in finished), default=time.monotonic())
+        by_id = {f"{prefix}{s.index}": s for s in specs}
+        return RunData(finished, by_id, t0, t_end, first_step, self.next_step_id)
+
+    def _add_arrivals(self, pending: deque, prompts: dict, prefix: str, t0: float) -> None:
+        """Every request whose arrival time has come, stamped with that time (not now: a late
+        add counts as scheduling delay, as it would for a real client)."""
+        now = time.monotonic()
+        while pending and t0 + pending[0].arrival_s <= now:
+            spec = pending.popleft()
+            params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
+            self.engine.add_request(f"{prefix}{spec.index}", prompts.pop(spec.index).tolist(), params,
+                                    arrival_time=t0 + spec.arrival_s)
+
+    def _step(self) -> list[M.RequestTimes]:
+        done = []
+        for out in self.engine.step():
+            if out.finished:
+                if out.outputs[0].finish_reason == "error":
+                    raise RuntimeError(f"request {out.request_id} failed: {out.error}")
+                done.append(M.RequestTimes.of(out))
+        return done
+
+    def warm_up(self, num_requests: int) -> None:
+        if num_requests:
+            specs = [RequestSpec(i, 0.0, 16, 4) for i in range(num_requests)]
+            self.run(specs, seed=1, prefix="warmup")
+
+    def close(self) -> list[M.StageTimeline]:
+        """Stops the engine (and workers); returns every rank's stage timeline."""
+        self.engine.close()
+        if self.local_timer is not None:
+            return [self.local_timer.timeline]
+        timelines = []
+        for path in sorted(glob.glob(os.path.join(self.stage_dir, "stage_rank*.json"))):
+            with open(path) as f:
+                timelines.append(M.StageTimeline.from_json(json.load(f)))
+        os.environ.pop("PIPESERVE_STAGE_STATS_DIR", None)
+        return timelines
+
+
+# ---- results ----------------------------------------------------------------------------------
+
+
+def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, options: BenchOptions) -> dict:
+    """The result dict of one run (without config and capacity)."""
+    prompt_lens = {rid: s.prompt_len for rid, s in run.specs.items()}
+    records = [r for r in bench.engine.step_records if run.first_step <= r.step_id < run.end_step]
+    window = [tl.within(run.first_step) for tl in timelines]
+    window = [dataclasses.replace(tl, spans=[s for s in tl.spans if s.step_id < run.end_step]) for tl in window]
+    stages = [M.stage_summary(tl, run.t0, run.t_end) for tl in sorted(window, key=lambda t: t.rank)]
+    lead = [s for s in stages if s["tp_rank"] == 0]
+    result = M.request_summary(run.requests, run.t_end - run.t0)
+    result["stages"] = stages
+    result["bubble_fraction_mean"] = _mean(s["bubble_fraction"] for s in lead)
+    result["step_time_cv_mean"] = _mean(s["step_time_cv"] for s in lead)
+    result["steps"] = M.step_summary(records, prompt_lens)
+    result["num_decode_stalls"] = len(M.decode_stalls(records, prompt_lens))
+    result["num_preemptions"] = bench.engine.scheduler.num_preemptions
+    device = _device_name(bench.engine.state.device)
+    peaks = M.card_peaks(device)
+    shape = M.ModelShape.of(bench.engine.model_config, bench.engine.state.dtype.itemsize)
+    busy = M.stage_busy_by_step(window, tp=bench.config.parallel.tp)
+    result["efficiency"] = M.efficiency(
+        records, busy, shape, prompt_lens,
+        peak_tflops=options.peak_tflops or peaks[0], peak_mem_bw_gbps=options.peak_mem_bw_gbps or peaks[1],
+    )
+    result["device"] = device
+    return result
+
+
+def _mean(values) -> float | None:
+    v = [x for x in values if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def write_outputs(out_dir: str, result: dict, bench: Bench, run: RunData, timelines, options: BenchOptions) -> dict:
+    """trace.json, plots and steps.json beside result.json; returns their file names."""
+    files = {"result": "result.json", "trace": "trace.json"}
+    prompt_lens = {rid: s.prompt_len for rid, s in run.specs.items()}
+    records = [r for r in bench.engine.step_records if run.first_step <= r.step_id < run.end_step]
+    window = [tl.within(run.first_step) for tl in timelines]
+    trace = M.chrome_trace(records=records, done_times=bench.engine.step_done_times, timelines=window,
+                           arrivals={r.request_id: r.arrival for r in run.requests}, t0=run.t0,
+                           prompt_lens=prompt_lens)
+    _dump(os.path.join(out_dir, "trace.json"), trace)
+    if options.plots:
+        title = f"{result['config']['scheduler']['policy']} · {result['workload']['name']}"
+        M.plot_latency_cdfs(run.requests, os.path.join(out_dir, "latency_cdf.png"), title=title)
+        M.plot_stage_timeline(window, os.path.join(out_dir, "stage_timeline.png"), t0=run.t0, title=title)
+        files.update(latency_cdf="latency_cdf.png", stage_timeline="stage_timeline.png")
+    if options.save_steps:
+        done = bench.engine.step_done_times
+        steps = [{"step_id": r.step_id, "submitted_at": r.submitted_at - run.t0,
+                  "done_at": done[r.step_id] - run.t0 if r.step_id in done else None,
+                  "predicted_time": r.predicted_time, "in_flight": list(r.in_flight),
+                  "seqs": [list(s) for s in r.seqs]} for r in records]
+        _dump(os.path.join(out_dir, "steps.json"), {"prompt_lens": prompt_lens, "steps": steps})
+        files["steps"] = "steps.json"
+    return files
+
+
+def _dump(path: str, data) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1 if path.endswith("result.json") else None)
+
+
+def format_table(result: dict) -> str:
+    """The printed summary: one line per metric, one row per stage."""
+    r, thr = result, result["throughput"]
+
+    def ms(d: dict, key: str) -> str:
+        return "-" if d.get(key) is None else f"{d[key] * 1e3:.1f}"
+
+    lines = [f"pipeserve bench · {r['workload']['name']} · {r['config']['scheduler']['policy']}"
+             f" · tp={r['config']['parallel']['tp']} pp={r['config']['parallel']['pp']} · {r['device']}",
+             f"requests {r['num_requests']}   wall {thr['wall_s']:.2f} s   {_num(thr['requests_per_s'])} req/s"
+             f"   {_num(thr['output_tokens_per_s'])} output tok/s   {_num(thr['total_tokens_per_s'])} total tok/s",
+             "| metric (ms) | mean | P50 | P90 | P99 | max |", "|---|---|---|---|---|---|"]
+    for name, key in (("TTFT", "ttft_s"), ("TBT", "tbt_s"), ("end-to-end", "e2e_s"),
+                      ("scheduling delay", "scheduling_delay_s")):
+        d = r[key]
+        lines.append(f"| {name} | " + " | ".join(ms(d, k) for k in ("mean", "p50", "p90", "p99", "max")) + " |")
+    lines += ["", "| stage | rank | steps | busy s | recv wait s | idle s | bubble | step CV |",
+              "|---|---|---|---|---|---|---|---|"]
+    for s in r["stages"]:
+        lines.append(f"| {s['stage']} | {s['rank']} | {s['num_steps']} | {s['busy_s']:.2f} | {s['recv_wait_s']:.2f}"
+                     f" | {s['idle_s']:.2f} | {_pct(s['bubble_fraction'])} | {_num(s['step_time_cv'])} |")
+    eff = r["efficiency"]
+    lines.append(f"prefill {_num(eff['prefill_tflops'])} TFLOP/s (MFU {_pct(eff['prefill_mfu'])}),"
+                 f" decode {_num(eff['decode_gb_per_s'])} GB/s (MBU {_pct(eff['decode_mbu'])}),"
+                 f" decode stalls {r['num_decode_stalls']}, preemptions {r['num_preemptions']}")
+    if cap := r.get("capacity"):
+        lines.append(f"capacity {cap['capacity_rps']:.3f} req/s under P99 TBT <= {cap['tbt_p99_slo_s'] * 1e3:g} ms"
+                     f" and P50 scheduling delay <= {cap['scheduling_delay_p50_slo_s']:g} s"
+                     f" ({len(cap['probes'])} probes{'' if cap['converged'] else ', not converged'})")
+    return "\n".join(lines)
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+
+
+def search_capacity(bench: Bench, workload: WorkloadConfig, cap: CapacityOptions, *, progress: bool) -> dict:
+    """Binary search on the arrival rate (each probe a fresh run of the workload on this engine)."""
+    if workload.arrival == "offline":
+        raise ValueError("capacity search needs arrivals at a rate (poisson, gamma or trace), not offline")
+    if cap.num_requests:
+        workload = dataclasses.replace(workload, num_requests=cap.num_requests)
+    start = cap.start_rate or workload.rate
+    if start is None:
+        from pipeserve.runtime.workload import natural_rate
+
+        start = natural_rate(workload)
+    details = []
+
+    def probe(rate: float) -> bool:
+        specs, _ = bench.fit(build_workload(workload.with_rate(rate)))
+        run = bench.run(specs, seed=workload.seed, prefix=f"c{len(details)}-", progress=progress,
+                        desc=f"capacity {rate:.3g} req/s")
+        summary = M.request_summary(run.requests, run.t_end - run.t0)
+        ok = M.meets_slo(summary, tbt_p99_s=cap.tbt_p99_slo_s, scheduling_delay_p50_s=cap.scheduling_delay_p50_slo_s)
+        details.append({"rate": rate, "meets_slo": ok, "tbt_p99_s": summary["tbt_s"]["p99"],
+                        "scheduling_delay_p50_s": summary["scheduling_delay_s"]["p50"],
+                        "throughput_rps": summary["throughput"]["requests_per_s"]})
+        return ok
+
+    found = M.find_capacity(probe, start_rate=start, rel_tol=cap.rel_tol, max_probes=cap.max_probes)
+    return {"capacity_rps": found.capacity, "converged": found.converged, "probes": details,
+            "tbt_p99_slo_s": cap.tbt_p99_slo_s, "scheduling_delay_p50_slo_s": cap.scheduling_delay_p50_slo_s,
+            "num_requests_per_probe": workload.num_requests}
+
+
+# ---- the app ----------------------------------------------------------------------------------
+
+
+def configs_from(cfg: DictConfig) -> tuple[EngineConfig, WorkloadConfig, BenchOptions, CapacityOptions]:
+    """Hydra selects; validated dataclasses come out (ValueError on a bad value)."""
+    container = lambda node: OmegaConf.to_container(node, resolve=True)  # noqa: E731
+    return (engine_config(cfg), WorkloadConfig(**container(cfg.workload)),
+            BenchOptions(**container(cfg.bench)), CapacityOptions(**container(cfg.capacity)))
+
+
+def run_bench(cfg: DictConfig, out_dir: str, *, loaded=None) -> dict:
+    """One benchmark run from a composed config; writes its files into ``out_dir``."""
+    engine_cfg, workload, options, cap = configs_from(cfg)
+    if cfg.dummy_model.shape:
+        engine_cfg = _with_dummy_model(engine_cfg, cfg.dummy_model, out_dir)
+    specs = build_workload(workload)
+    os.makedirs(out_dir, exist_ok=True)
+    bench = Bench(engine_cfg, loaded=loaded)
+    try:
+        bench.warm_up(options.warmup_requests)
+        specs, num_cut = bench.fit(specs)
+        run = bench.run(specs, seed=workload.seed, progress=options.progress, desc=f"bench {workload.name}")
+        capacity = search_capacity(bench, workload, cap, progress=options.progress) if cap.enabled else None
+    except BaseException:
+        bench.close()
+        raise
+    timelines = bench.close()
+    result = {
+        "config": OmegaConf.to_container(cfg, resolve=True), "date": datetime.datetime.now().isoformat(),
+        "commit": _git_commit(), "pid": os.getpid(),
+        "workload": {"name": workload.name, **workload_summary(specs), "num_cut_to_max_model_len": num_cut},
+    }
+    result.update(analyze(bench, run, timelines, options=options))
+    if capacity is not None:
+        result["capacity"] = capacity
+    result["files"] = write_outputs(out_dir, result, bench, run, timelines, options)
+    _dump(os.path.join(out_dir, "result.json"), result)
+    return result
+
+
+def _with_dummy_model(config: EngineConfig, spec: DictConfig, out_dir: str) -> EngineConfig:
+    """A config-only Llama-3-8B-shaped folder (random weights at load): GPU benchmarks."""
+    from pipeserve.launch.bench_peers import parse_args, write_model_folder
+
+    if spec.shape != "llama3-8b":
+        raise ValueError(f"dummy_model.shape must be llama3-8b (or null), got {spec.shape!r}")
+    tokenizer = spec.tokenizer or parse_args([]).tokenizer
+    if not os.path.exists(tokenizer):
+        raise ValueError(f"dummy_model.tokenizer {tokenizer!r} does not exist")
+    folder = os.path.join(out_dir, "dummy_model")
+    write_model_folder(folder, tokenizer, num_layers=spec.num_layers, with_weights=False)
+    return dataclasses.replace(config, model=folder, load_format="dummy")
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=os.path.dirname(os.path.abspath(__file__)))
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="bench")
+def main(cfg: DictConfig):
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from pipeserve.launch import sweep
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # the sweep parent: this point runs in its own process
+        return sweep.run_point(hydra_cfg)
+    result = run_bench(cfg, hydra_cfg.runtime.output_dir)
+    print(format_table(result))
+    print(f"\nwrote {hydra_cfg.runtime.output_dir}/" + ", ".join(result["files"].values()))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""`pipeserve profile`: measure the scheduler's cost model on this device (configs/profile.yaml).
+
+    pipeserve profile                                     # SmolLM2 on whatever device is here
+    pipeserve profile model.path=/models/llama3-8b engine.load_format=dummy profile.out=llama3.json
+
+Runs synthetic micro-batches through the model runner (the whole model in this process):
+single prompt chunks of varied length at varied prefix lengths, batches of decodes at varied
+context lengths, and mixes of both; times each (the fastest of a few repeats, synchronizing
+the device around each: this is a profile, not a serving run); fits
+
+    t = per_token * num_tokens + per_attn * sum(q_i * ctx_i) + per_seq * num_seqs + fixed
+
+with CostModel.fit; and writes the coefficients, the samples and the fit error to a JSON file
+that `scheduler.cost_model_path` reads (bench runs and sweeps reuse it). With pipeline
+parallelism a stage runs about 1/pp of the layers: divide the time budget you would give one
+device's whole model accordingly.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from pipeserve.runtime.batch import StepInputs
+from pipeserve.runtime.kv_cache import allocate_kv_cache
+from pipeserve.runtime.loader import load_model
+from pipeserve.runtime.model_runner import ModelRunner
+from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.scheduler import CostModel
+from pipeserve.scheduler.cost_model import attention_work
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileOptions:
+    chunk_tokens: tuple[int, ...] = (16, 64, 128, 256, 512)
+    """Prompt-chunk lengths (one sequence per micro-batch)."""
+    prefix_lens: tuple[int, ...] = (0, 256, 1024)
+    """Tokens already in the KV cache before a chunk (a chunk late in a long prompt)."""
+    decode_batch_sizes: tuple[int, ...] = (1, 8, 32)
+    """Decodes per micro-batch."""
+    decode_context_lens: tuple[int, ...] = (128, 1024)
+    """Context length of every decode in a decode batch."""
+    repeats: int = 3
+    """Timed runs per shape (the fastest counts), after one untimed warm-up run."""
+    out: str = "cost_model.json"
+    """Where to write the profile (relative paths: inside the run directory)."""
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1 or not self.chunk_tokens or not self.decode_batch_sizes:
+            raise ValueError("profile needs repeats >= 1, chunk_tokens and decode_batch_sizes")
+
+    def shapes(self) -> list[list[tuple[int, int]]]:
+        """Every micro-batch to time, as (prefix length, query length) per sequence."""
+        prefill = [[(p, q)] for q in self.chunk_tokens for p in self.prefix_lens]
+        decode = [[(c, 1)] * n for n in self.decode_batch_sizes for c in self.decode_context_lens]
+        mixed = [[(c, 1)] * n + [(p, q)] for n in self.decode_batch_sizes[-1:] for c in self.decode_context_lens[:1]
+                 for q in self.chunk_tokens[-2:] for p in self.prefix_lens[:2]]
+        return prefill + decode + mixed
+
+
+class Profiler:
+    """Times synthetic micro-batches on a ModelRunner over a KV pool big enough for the largest."""
+
+    def __init__(self, runner: ModelRunner, *, block_size: int, vocab_size: int, device: torch.device) -> None:
+        self.runner, self.block_size, self.vocab, self.device = runner, block_size, vocab_size, device
+        self._gen = torch.Generator().manual_seed(0)
+
+    def step(self, seqs: list[tuple[int, int]]) -> StepInputs:
+        """Sequence i attends over `prefix` cached tokens plus its `q` new ones; blocks are laid out
+        back to back (their contents are whatever the pool holds: timing only)."""
+        tables, next_block = [], 0
+        for prefix, q in seqs:
+            n = -(-(prefix + q) // self.block_size)
+            tables.append(list(range(next_block, next_block + n)))
+            next_block += n
+        total = sum(q for _, q in seqs)
+        return StepInputs(
+            request_ids=[str(i) for i in range(len(seqs))],
+            token_ids=torch.randint(0, self.vocab, (total,), generator=self._gen).tolist(),
+            query_lens=[q for _, q in seqs],
+            start_positions=[p for p, _ in seqs],
+            block_tables=tables,
+            needs_sample=[True] * len(seqs),
+        )
+
+    def time(self, seqs: list[tuple[int, int]], repeats: int) -> float:
+        """Seconds of one micro-batch (forward, logits and greedy sampling): the fastest of
+        ``repeats`` timed runs, which shrugs off other load on a shared machine."""
+        step = self.step(seqs)
+        params = [SamplingParams(temperature=0.0)] * len(seqs)
+        times = []
+        for i in range(repeats + 1):
+            self._sync()
+            t0 = time.perf_counter()
+            self.runner.execute(step, params, [None] * len(seqs), num_output_tokens=[0] * len(seqs),
+                                eos_token_ids=())
+            self._sync()
+            if i:  # the first run warms up
+                times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def blocks_needed(shapes: list[list[tuple[int, int]]], block_size: int) -> int:
+    return max(sum(-(-(p + q) // block_size) for p, q in seqs) for seqs in shapes)
+
+
+def run_profile(cfg: DictConfig, out_dir: str, *, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    from pipeserve.launch.generate import engine_config
+
+    engine = engine_config(cfg)
+    if cfg.dummy_model.shape:
+        from pipeserve.launch.bench import _with_dummy_model
+
+        engine = _with_dummy_model(engine, cfg.dummy_model, out_dir)
+    options = ProfileOptions(**{k: tuple(v) if isinstance(v, list) else v
+                                for k, v in OmegaConf.to_container(cfg.profile, resolve=True).items()})
+    device = engine.torch_device()
+    dtype = engine.torch_dtype(device)
+    loaded = load_model(engine.model, dtype=dtype, device=device, load_format=engine.load_format)
+    shapes = options.shapes()
+    num_blocks = blocks_needed(shapes, engine.block_size)
+    kv = allocate_kv_cache(loaded.config, num_layers=loaded.config.num_hidden_layers, num_blocks=num_blocks,
+                           block_size=engine.block_size, dtype=dtype, device=device)
+    runner = ModelRunner(loaded.model, kv_caches=kv, block_size=engine.block_size, device=device)
+    profiler = Profiler(runner, block_size=engine.block_size, vocab_size=loaded.config.vocab_size, device=device)
+    samples = []
+    for seqs in tqdm(shapes, desc="profile", unit="shape", disable=not progress):
+        seconds = profiler.time(seqs, options.repeats)
+        work = sum(attention_work(p, q) for p, q in seqs)
+        samples.append((sum(q for _, q in seqs), work, len(seqs), seconds))
+    model = CostModel.fit(samples)
+    errors = [abs(model.predict(n, a, s) - t) / t for n, a, s, t in samples]
+    # A starting point for scheduler.time_budget_s: what a full token-budget chunk of a long
+    # prompt costs midway (prefix 1024) in the token-budget mode.
+    chunk = engine.scheduler.max_num_batched_tokens
+    result = {
+        "cost_model": model.to_dict(),
+        "relative_error": {"mean": statistics.fmean(errors), "max": max(errors)},
+        "suggested_time_budget_s": model.predict(chunk, attention_work(1024, chunk), 1),
+        "model": loaded.path, "dtype": str(dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "block_size": engine.block_size, "date": datetime.datetime.now().isoformat(),
+        "samples": [dict(num_tokens=n, attn_work=a, num_seqs=s, seconds=t) for n, a, s, t in samples],
+    }
+    path = options.out if os.path.isabs(options.out) else os.path.join(out_dir, options.out)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    result["path"] = path
+    return result
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="profile")
+def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    result = run_profile(cfg, HydraConfig.get().runtime.output_dir)
+    coef = result["cost_model"]
+    print(f"cost model on {result['device']} ({result['dtype']}): "
+          + ", ".join(f"{k}={v:.3g}" for k, v in coef.items()))
+    err = result["relative_error"]
+    print(f"fit error: mean {err['mean']:.1%}, max {err['max']:.1%} over {len(result['samples'])} shapes")
+    print(f"wrote {result['path']}\n  use: scheduler.cost_model_path={result['path']}"
+          f" scheduler.time_budget_s={result['suggested_time_budget_s']:.4g}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,527 @@
+"""Benchmark metrics: per-request latencies, per-stage busy/wait/idle times, MFU/MBU, the
+capacity search, decode-stall checks, Chrome/Perfetto traces and plots.
+
+Everything here works on plain records gathered during a run (RequestMetrics, StepRecord,
+worker stage timelines); nothing touches the device. matplotlib is imported only to plot.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+# ---- statistics --------------------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default) of already sorted values."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def distribution(values: Iterable[float]) -> dict:
+    """count, mean, P50/P90/P99 and max (NaN-free: None when there are no values)."""
+    v = sorted(values)
+    if not v:
+        return {"count": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    return {
+        "count": len(v),
+        "mean": sum(v) / len(v),
+        "p50": percentile(v, 50),
+        "p90": percentile(v, 90),
+        "p99": percentile(v, 99),
+        "max": v[-1],
+    }
+
+
+def coefficient_of_variation(values: Sequence[float]) -> float | None:
+    """Population std / mean; None for fewer than two values."""
+    if len(values) < 2:
+        return None
+    mean = sum(values) / len(values)
+    if mean == 0:
+        return None
+    var = sum((x - mean) ** 2 for x in values) / len(values)
+    return math.sqrt(var) / mean
+
+
+# ---- requests ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RequestTimes:
+    """One finished request's timeline (time.monotonic seconds) and lengths."""
+
+    request_id: str
+    arrival: float
+    first_scheduled: float
+    first_token: float
+    token_times: list[float]
+    finished: float
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @classmethod
+    def of(cls, output) -> RequestTimes:
+        """From a finished RequestOutput whose ``metrics`` the engine filled in."""
+        m = output.metrics
+        return cls(
+            request_id=output.request_id,
+            arrival=m.arrival_time,
+            first_scheduled=m.first_scheduled_time,
+            first_token=m.first_token_time,
+            token_times=list(m.token_times),
+            finished=m.finished_time,
+            num_prompt_tokens=len(output.prompt_token_ids),
+            num_output_tokens=len(output.outputs[0].token_ids),
+        )
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.finished - self.arrival
+
+    @property
+    def scheduling_delay(self) -> float:
+        return self.first_scheduled - self.arrival
+
+    @property
+    def tbts(self) -> list[float]:
+        """Gaps between consecutive output tokens."""
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+
+def request_summary(requests: Sequence[RequestTimes], wall_s: float) -> dict:
+    """TTFT, TBT, end-to-end latency and scheduling delay distributions; throughput."""
+    prompt = sum(r.num_prompt_tokens for r in requests)
+    output = sum(r.num_output_tokens for r in requests)
+    return {
+        "num_requests": len(requests),
+        "ttft_s": distribution(r.ttft for r in requests),
+        "tbt_s": distribution(x for r in requests for x in r.tbts),
+        "e2e_s": distribution(r.e2e for r in requests),
+        "scheduling_delay_s": distribution(r.scheduling_delay for r in requests),
+        "throughput": {
+            "wall_s": wall_s,
+            "requests_per_s": len(requests) / wall_s if wall_s > 0 else None,
+            "output_tokens_per_s": output / wall_s if wall_s > 0 else None,
+            "total_tokens_per_s": (prompt + output) / wall_s if wall_s > 0 else None,
+            "prompt_tokens": prompt,
+            "output_tokens": output,
+        },
+    }
+
+
+# ---- stages ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpan:
+    """One micro-batch on one rank: waiting for its input from ``recv_start`` to ``start``,
+    computing from ``start`` to ``end`` (host time.monotonic seconds)."""
+
+    step_id: int
+    recv_start: float
+    start: float
+    end: float
+
+    @property
+    def busy(self) -> float:
+        return self.end - self.start
+
+    @property
+    def recv_wait(self) -> float:
+        return self.start - self.recv_start
+
+
+@dataclass(slots=True)
+class StageTimeline:
+    """The spans of one rank (TP rank 0 of a stage stands for its stage in lanes and tables)."""
+
+    stage: int
+    rank: int
+    spans: list[StageSpan] = field(default_factory=list)
+    tp_rank: int = 0
+    num_layers: int | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> StageTimeline:
+        spans = [StageSpan(int(s), r, a, b) for s, r, a, b in data["spans"]]
+        return cls(stage=data["stage"], rank=data["rank"], spans=spans, tp_rank=data.get("tp_rank", 0),
+                   num_layers=data.get("num_layers"))
+
+    def within(self, first_step: int) -> StageTimeline:
+        """Only the micro-batches from ``first_step`` on (drops warm-up steps)."""
+        spans = [s for s in self.spans if s.step_id >= first_step]
+        return StageTimeline(self.stage, self.rank, spans, self.tp_rank, self.num_layers)
+
+
+class LocalStageTimer:
+    """Wraps the in-process executor (world size 1) to time each micro-batch on the host. Its
+    submit runs the model and samples, which returns the tokens to the host; so the host time is
+    the device time without adding any synchronization."""
+
+    def __init__(self, executor) -> None:
+        self._inner = executor
+        self.timeline = StageTimeline(stage=0, rank=0)
+
+    def submit(self, plan, samples) -> None:
+        t0 = time.monotonic()
+        self._inner.submit(plan, samples)
+        self.timeline.spans.append(StageSpan(plan.step_id, t0, t0, time.monotonic()))
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+def stage_summary(timeline: StageTimeline, wall_start: float, wall_end: float) -> dict:
+    """Busy, receive-wait and idle seconds of one rank over [wall_start, wall_end]; bubble
+    fraction = 1 - busy / wall; CV of its per-micro-batch compute time."""
+    wall = max(wall_end - wall_start, 0.0)
+    busy = sum(s.busy for s in timeline.spans)
+    recv = sum(s.recv_wait for s in timeline.spans)
+    steps = [s.busy for s in timeline.spans]
+    return {
+        "stage": timeline.stage,
+        "rank": timeline.rank,
+        "tp_rank": timeline.tp_rank,
+        "num_layers": timeline.num_layers,
+        "num_steps": len(steps),
+        "wall_s": wall,
+        "busy_s": busy,
+        "recv_wait_s": recv,
+        "idle_s": max(wall - busy - recv, 0.0),
+        "bubble_fraction": 1.0 - busy / wall if wall > 0 else None,
+        "step_time_mean_s": sum(steps) / len(steps) if steps else None,
+        "step_time_cv": coefficient_of_variation(steps),
+    }
+
+
+def stage_busy_by_step(timelines: Sequence[StageTimeline], tp: int = 1) -> dict[int, float]:
+    """Device-seconds each micro-batch took, summed over stages (x tp ranks per stage)."""
+    out: dict[int, float] = {}
+    for tl in timelines:
+        if tl.tp_rank != 0:
+            continue
+        for s in tl.spans:
+            out[s.step_id] = out.get(s.step_id, 0.0) + s.busy * tp
+    return out
+
+
+# ---- steps, stalls ------------------------------------------------------------------------------
+
+
+def step_summary(records: Sequence, prompt_lens: Mapping[str, int]) -> dict:
+    """Shape of the micro-batches: tokens, prefill vs decode, predicted time (StepRecords)."""
+    tokens = [sum(n for _, _, n, _ in r.seqs) for r in records]
+    prefill = [_prefill_tokens(r, prompt_lens) for r in records]
+    predicted = [r.predicted_time for r in records if r.predicted_time > 0]
+    return {
+        "num_steps": len(records),
+        "tokens_per_step": distribution(tokens),
+        "steps_with_prefill": sum(1 for p in prefill if p > 0),
+        "decode_only_steps": sum(1 for p in prefill if p == 0),
+        "max_prefill_tokens_in_step": max(prefill, default=0),
+        "predicted_time_s": distribution(predicted),
+        "predicted_time_cv": coefficient_of_variation(predicted),
+    }
+
+
+def _prefill_tokens(record, prompt_lens: Mapping[str, int]) -> int:
+    """Tokens of prompt chunks in a step (a recomputation after preemption counts too)."""
+    return sum(n for rid, start, n, _ in record.seqs if start < prompt_lens.get(rid, 0) or n > 1)
+
+
+def decode_stalls(records: Sequence, prompt_lens: Mapping[str, int]) -> list[tuple[int, str]]:
+    """(step id, request id) for every micro-batch that carried prompt tokens while a request
+    in its decode phase was left out though it could have run (its previous token was back).
+
+    A request is in its decode phase at step k when its last prompt chunk ran in a step before
+    k and it runs a decode step (start >= its prompt length) after k. Under stall-free batching
+    (sarathi) this list is empty: decodes go first into every micro-batch. Under vllm every
+    whole-prompt batch stalls the ongoing decodes. (Preemption is not modelled: a preempted
+    request waiting for readmission would be listed.)
+    """
+    steps = {r.step_id: r for r in records}
+    order = sorted(steps)
+    prompt_done: dict[str, int] = {}  # request -> step of its last prompt chunk
+    last_decode: dict[str, int] = {}
+    for sid in order:
+        for rid, start, n, _ in steps[sid].seqs:
+            plen = prompt_lens.get(rid)
+            if plen is None:
+                continue
+            if start >= plen:
+                last_decode[rid] = sid
+            elif start + n >= plen:
+                prompt_done.setdefault(rid, sid)
+    stalls = []
+    for sid in order:
+        rec = steps[sid]
+        if _prefill_tokens(rec, prompt_lens) == 0:
+            continue
+        busy = {rid for other in rec.in_flight if other in steps for rid, _, _, _ in steps[other].seqs}
+        for rid, done in prompt_done.items():
+            if done < sid < last_decode.get(rid, -1) and rid not in busy:
+                stalls.append((sid, rid))
+    return stalls
+
+
+# ---- model FLOPs and bytes ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What FLOP and byte counts need of a Llama-family model."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, config, dtype_bytes: int) -> ModelShape:
+        return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers,
+                   config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                   config.vocab_size, dtype_bytes)
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    def flops(self, num_tokens: int, attn_work: int, num_sampled: int) -> float:
+        """Matmul FLOPs of a micro-batch: 2 per weight per token, QK^T and PV over each
+        request's context (attn_work = sum of q_i * ctx_i), the LM head for sampled rows."""
+        linear = 2.0 * self.num_layers * self.layer_params * num_tokens
+        attention = 4.0 * self.num_layers * self.num_heads * self.head_dim * attn_work
+        return linear + attention + 2.0 * self.hidden_size * self.vocab_size * num_sampled
+
+    def bytes_moved(self, context_tokens: int) -> float:
+        """Bytes a decode micro-batch must read: every weight once, plus the KV of its contexts."""
+        weights = self.num_layers * self.layer_params + self.hidden_size * self.vocab_size
+        kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * context_tokens
+        return float(weights + kv) * self.dtype_bytes
+
+
+# Dense bf16 tensor-core peak (TFLOP/s) and memory bandwidth (GB/s), SXM parts, from the
+# vendors' data sheets. Matched against torch.cuda.get_device_name().
+KNOWN_CARDS = {
+    "H200": (989.4, 4800.0),
+    "H100": (989.4, 3350.0),
+    "A100": (312.0, 2039.0),
+    "L40S": (362.0, 864.0),
+    "A10G": (70.0, 600.0),
+}
+
+
+def card_peaks(device_name: str) -> tuple[float | None, float | None]:
+    for key, peaks in KNOWN_CARDS.items():
+        if key in device_name:
+            return peaks
+    return None, None
+
+
+def efficiency(records: Sequence, busy_by_step: Mapping[int, float], shape: ModelShape, prompt_lens,
+               *, peak_tflops: float | None, peak_mem_bw_gbps: float | None) -> dict:
+    """Prefill MFU (steps carrying prompt tokens) and decode MBU (decode-only steps), each over
+    the device-seconds those steps were busy (so pipeline bubbles do not count against them)."""
+    pre_flops = pre_time = dec_bytes = dec_time = 0.0
+    for r in records:
+        t = busy_by_step.get(r.step_id)
+        if not t:
+            continue
+        n = sum(q for _, _, q, _ in r.seqs)
+        work = sum(q * (start + q) for _, start, q, _ in r.seqs)
+        if _prefill_tokens(r, prompt_lens) > 0:
+            pre_flops += shape.flops(n, work, sum(1 for *_, s in r.seqs if s))
+            pre_time += t
+        else:
+            dec_bytes += shape.bytes_moved(sum(start + q for _, start, q, _ in r.seqs))
+            dec_time += t
+    tflops = pre_flops / pre_time / 1e12 if pre_time else None
+    gbps = dec_bytes / dec_time / 1e9 if dec_time else None
+    return {
+        "prefill_tflops": tflops,
+        "decode_gb_per_s": gbps,
+        "peak_tflops": peak_tflops,
+        "peak_mem_bw_gbps": peak_mem_bw_gbps,
+        "prefill_mfu": tflops / peak_tflops if tflops is not None and peak_tflops else None,
+        "decode_mbu": gbps / peak_mem_bw_gbps if gbps is not None and peak_mem_bw_gbps else None,
+    }
+
+
+# ---- capacity under an SLO -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CapacityResult:
+    capacity: float
+    """Highest arrival rate (requests/s) found to meet the SLO; 0.0 if none did."""
+    probes: list[tuple[float, bool]]
+    """(rate, met the SLO?) in the order tried."""
+    converged: bool
+
+
+def find_capacity(meets_slo: Callable[[float], bool], *, start_rate: float, rel_tol: float = 0.05,
+                  max_probes: int = 16, min_rate: float = 1e-3) -> CapacityResult:
+    """Binary search for the highest rate at which ``meets_slo(rate)`` holds, assuming it holds
+    below some threshold and fails above it (latency grows with load).
+
+    Doubles (or halves) from ``start_rate`` to bracket the threshold, then bisects until the
+    bracket is within ``rel_tol`` of its upper end or ``max_probes`` probes were spent.
+    """
+    if start_rate <= 0 or rel_tol <= 0 or max_probes < 1:
+        raise ValueError("start_rate, rel_tol and max_probes must be positive")
+    probes: list[tuple[float, bool]] = []
+
+    def probe(rate: float) -> bool:
+        ok = bool(meets_slo(rate))
+        probes.append((rate, ok))
+        return ok
+
+    good, bad = 0.0, math.inf
+    rate = start_rate
+    while len(probes) < max_probes and bad == math.inf:  # bracket from below: double
+        if probe(rate):
+            good, rate = rate, rate * 2
+        else:
+            bad = rate
+    while len(probes) < max_probes and good == 0.0 and bad > min_rate:  # nothing passed: halve
+        rate = bad / 2
+        if probe(rate):
+            good = rate
+        else:
+            bad = rate
+    while len(probes) < max_probes and good > 0 and bad - good > rel_tol * bad:
+        rate = (good + bad) / 2
+        if probe(rate):
+            good = rate
+        else:
+            bad = rate
+    converged = good > 0 and bad != math.inf and bad - good <= rel_tol * bad
+    return CapacityResult(capacity=good, probes=probes, converged=converged)
+
+
+def meets_slo(summary: Mapping, *, tbt_p99_s: float, scheduling_delay_p50_s: float) -> bool:
+    """Sarathi-Serve's capacity criterion on a request_summary: P99 TBT and P50 scheduling
+    delay within their limits (a run without any TBT sample only checks the delay)."""
+    tbt = summary["tbt_s"]["p99"]
+    delay = summary["scheduling_delay_s"]["p50"]
+    return (tbt is None or tbt <= tbt_p99_s) and delay is not None and delay <= scheduling_delay_p50_s
+
+
+# ---- Chrome / Perfetto trace -----------------------------------------------------------------------
+
+
+def chrome_trace(*, records: Sequence, done_times: Mapping[int, float], timelines: Sequence[StageTimeline],
+                 arrivals: Mapping[str, float], t0: float, prompt_lens: Mapping[str, int]) -> dict:
+    """Trace-event JSON: an engine lane (micro-batch lifetimes, request arrivals) and one lane
+    per stage (waiting for input, computing), in microseconds since ``t0``."""
+    us = lambda t: round((t - t0) * 1e6, 3)  # noqa: E731
+    pid = 1
+    lanes = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": "pipeserve"}},
+             {"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "engine"}},
+             {"ph": "M", "pid": pid, "tid": 0, "name": "thread_sort_index", "args": {"sort_index": 0}}]
+    events: list[dict] = []
+    for r in records:
+        done = done_times.get(r.step_id)
+        args = {"tokens": sum(n for _, _, n, _ in r.seqs), "seqs": len(r.seqs),
+                "prefill_tokens": _prefill_tokens(r, prompt_lens),
+                "predicted_ms": round(r.predicted_time * 1e3, 3)}
+        events.append({"ph": "i", "s": "t", "pid": pid, "tid": 0, "name": f"submit {r.step_id}",
+                       "ts": us(r.submitted_at), "args": args})
+        if done is not None:  # micro-batches overlap under pp: async slices get their own rows
+            events.append({"ph": "b", "cat": "microbatch", "id": r.step_id, "pid": pid, "tid": 0,
+                           "name": f"mb {r.step_id}", "ts": us(r.submitted_at), "args": args})
+            events.append({"ph": "e", "cat": "microbatch", "id": r.step_id, "pid": pid, "tid": 0,
+                           "name": f"mb {r.step_id}", "ts": us(done)})
+    for rid, t in arrivals.items():
+        events.append({"ph": "i", "s": "t", "pid": pid, "tid": 0, "name": f"arrive {rid}", "ts": us(t)})
+    tokens = {r.step_id: sum(n for _, _, n, _ in r.seqs) for r in records}
+    for tl in sorted(timelines, key=lambda t: t.rank):
+        tid = 1 + tl.rank
+        name = f"stage {tl.stage}" + (f" tp{tl.tp_rank}" if tl.tp_rank else "")
+        lanes.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}})
+        lanes.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+        for s in tl.spans:
+            if s.recv_wait > 0:
+                events.append({"ph": "X", "pid": pid, "tid": tid, "name": "recv wait", "cat": "wait",
+                               "ts": us(s.recv_start), "dur": round(s.recv_wait * 1e6, 3),
+                               "args": {"step": s.step_id}})
+            events.append({"ph": "X", "pid": pid, "tid": tid, "name": f"mb {s.step_id}", "cat": "compute",
+                           "ts": us(s.start), "dur": round(s.busy * 1e6, 3),
+                           "args": {"step": s.step_id, "tokens": tokens.get(s.step_id)}})
+    return {"traceEvents": lanes + events, "displayTimeUnit": "ms"}
+
+
+# ---- plots --------------------------------------------------------------------------------------
+
+
+def plot_latency_cdfs(requests: Sequence[RequestTimes], path: str, title: str = "") -> None:
+    """CDFs of TTFT, TBT, end-to-end latency and scheduling delay (seconds), one panel each."""
+    plt = _pyplot()
+    panels = [("TTFT", [r.ttft for r in requests]), ("TBT", [x for r in requests for x in r.tbts]),
+              ("end-to-end latency", [r.e2e for r in requests]),
+              ("scheduling delay", [r.scheduling_delay for r in requests])]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (name, values) in zip(axes.flat, panels):
+        v = sorted(values)
+        if v:
+            ax.step(v, [(i + 1) / len(v) for i in range(len(v))], where="post")
+            for q, style in ((50, ":"), (99, "--")):
+                ax.axvline(percentile(v, q), color="grey", linestyle=style, label=f"P{q} {percentile(v, q):.3g}s")
+            ax.legend(loc="lower right", fontsize=8)
+        ax.set_title(name)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("fraction of samples")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_stage_timeline(timelines: Sequence[StageTimeline], path: str, *, t0: float, title: str = "") -> None:
+    """One row per stage: compute (blue) and waiting for input (orange) over time."""
+    plt = _pyplot()
+    rows = sorted((tl for tl in timelines if tl.tp_rank == 0), key=lambda t: t.stage)
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.8 * max(len(rows), 1)))
+    for i, tl in enumerate(rows):
+        # Thin edges keep sub-pixel spans visible on long runs.
+        ax.broken_barh([(s.recv_start - t0, s.recv_wait) for s in tl.spans if s.recv_wait > 0],
+                       (i - 0.35, 0.7), facecolors="tab:orange", edgecolors="tab:orange", linewidth=0.3)
+        ax.broken_barh([(s.start - t0, s.busy) for s in tl.spans], (i - 0.35, 0.7), facecolors="tab:blue",
+                       edgecolors="tab:blue", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), [f"stage {tl.stage}" for tl in rows])
+    ax.set_xlabel("seconds since the run started")
+    ax.invert_yaxis()
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("tab:blue", "tab:orange")]
+    ax.legend(handles, ["compute", "waiting for input"], loc="upper right", fontsize=8)
+    ax.set_title(title or "stage timeline")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never a display
+    import matplotlib.pyplot as plt
+
+    return plt
