@@ -6,6 +6,10 @@ import sys
 
 _COMMANDS = {
     "generate": ("pipeserve.launch.generate", "offline generation (default: the embedded SmolLM2)"),
+    "serve": ("pipeserve.launch.serve", "OpenAI-compatible HTTP server (default: 127.0.0.1:8000)"),
+    "bench": ("pipeserve.launch.bench", "run a workload through the engine and measure it"),
+    "sweep": ("pipeserve.launch.sweep", "bench --multirun: each point in its own process, one table"),
+    "profile": ("pipeserve.launch.profile", "measure the scheduler's cost model on this device"),
 }
 
 

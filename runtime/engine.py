@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from pipeserve.runtime.sampler import make_generator
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.runtime.stop import check_stop
 from pipeserve.runtime.tokenizer import IncrementalDetokenizer
-from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerOutput
+from pipeserve.scheduler import CostModel, Request, RequestStatus, Scheduler, SchedulerOutput
 
 _FINISH_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -62,19 +63,21 @@ class _RequestState:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One submitted micro-batch: (request id, first position, tokens, samples?) per sequence,
-    and the step ids in flight at submission (this one included)."""
+    the step ids in flight at submission (this one included), and the cost model's predicted
+    seconds (0.0 without a cost model)."""
 
     step_id: int
     submitted_at: float
     seqs: tuple[tuple[str, int, int, bool], ...]
     in_flight: tuple[int, ...]
+    predicted_time: float = 0.0
 
     @classmethod
     def of(cls, plan: SchedulerOutput, in_flight) -> StepRecord:
         seqs = tuple(
             (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.needs_sample) for s in plan.scheduled
         )
-        return cls(plan.step_id, time.monotonic(), seqs, tuple(p.step_id for p in in_flight))
+        return cls(plan.step_id, time.monotonic(), seqs, tuple(p.step_id for p in in_flight), plan.predicted_time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,8 @@ class LLMEngine:
         )
         sched_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         try:
-            self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size)
+            self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size,
+                                       cost_model=_cost_model(sched_config, device))
         except ValueError:
             self.executor.close()
             raise
@@ -125,6 +129,8 @@ class LLMEngine:
         self._in_flight: deque[SchedulerOutput] = deque()
         self._ids = itertools.count()
         self.step_records: list[StepRecord] | None = [] if config.record_steps else None
+        # With record_steps: step id -> time.monotonic() when its result was back.
+        self.step_done_times: dict[int, float] | None = {} if config.record_steps else None
 
     def close(self) -> None:
         """Stops the workers (if any). The engine is unusable afterwards."""
@@ -197,6 +203,8 @@ class LLMEngine:
         except WorkerFailure as e:
             self._fail_all(str(e))
             raise
+        if self.step_done_times is not None:
+            self.step_done_times[plan.step_id] = time.monotonic()
         updated = self.scheduler.update(plan, sampled.token_ids)
         return [self._postprocess(req, sampled.logprobs.get(req.request_id)) for req in updated]
 
@@ -323,6 +331,18 @@ def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     if requested > model_limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_limit}")
     return requested
+
+
+def _cost_model(config, device: torch.device) -> CostModel | None:
+    """The profile's cost model; the analytic (CPU-scale) default when only a time budget is set."""
+    if config.cost_model_path is not None:
+        return CostModel.load(config.cost_model_path)
+    if config.time_budget_s is None:
+        return None
+    if device.type == "cuda":
+        print("pipeserve: time_budget_s without scheduler.cost_model_path uses the CPU-scale analytic"
+              " cost model; run `pipeserve profile` on this card", file=sys.stderr)
+    return CostModel.analytic_default()
 
 
 def _local_runner(loaded: LoadedModel, config: EngineConfig, num_blocks: int, dtype, device) -> ModelRunner:
