@@ -11,7 +11,7 @@ length. Sources:
 - ``uniform``, ``zipf``: synthetic lengths in [min, max];
 - ``arrival: offline``: every request at t = 0 (a batch), with any length source.
 
-The trace files live in ``data/traces/`` (see ATTRIBUTION.md there). Pure Python: no torch.
+The trace files live in ``configs/traces/`` (see ATTRIBUTION.md there). Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import os
 import random
 from dataclasses import dataclass
 
-DEFAULT_TRACE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "traces")
+# Package data: installed with pipeserve (configs/traces, see ATTRIBUTION.md there).
+DEFAULT_TRACE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "traces")
 
 LENGTH_TRACES = {
     "arxiv": "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",
@@ -83,7 +84,7 @@ class WorkloadConfig:
     seed: int = 0
     """Seeds length sampling and arrivals (and the bench's random prompt tokens)."""
     trace_dir: str | None = None
-    """Folder of the trace files; None = the repository's data/traces."""
+    """Folder of the trace files; None = the packaged configs/traces."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -126,7 +127,7 @@ def trace_path(source: str, trace_dir: str | None = None) -> str:
         raise ValueError(f"{source!r} is not a trace; traces: {(*LENGTH_TRACES, *TIMESTAMP_TRACES)}")
     path = os.path.join(trace_dir or DEFAULT_TRACE_DIR, name)
     if not os.path.exists(path):
-        raise ValueError(f"trace file {path} is missing (see data/traces/ATTRIBUTION.md)")
+        raise ValueError(f"trace file {path} is missing (see configs/traces/ATTRIBUTION.md)")
     return path
 
 
