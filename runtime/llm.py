@@ -9,6 +9,7 @@ from pipeserve.runtime.engine import LLMEngine
 from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.scheduler import SchedulerConfig
+from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
@@ -38,13 +39,18 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         num_microbatches_in_flight: int | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_grouping: bool = False,
     ) -> None:
         """With tensor_parallel_size × pipeline_parallel_size > 1 the engine stays in this
-        process and starts that many workers under torchrun; `close()` stops them."""
+        process and starts that many workers under torchrun; `close()` stops them.
+        `prefix_grouping` (BatchLLM-style offline batches) turns prefix caching on too."""
         scheduler = SchedulerConfig(
             policy=scheduler_policy,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching or prefix_grouping,
+            prefix_grouping=prefix_grouping,
         )
         self.engine = _make_engine(
             EngineConfig(
@@ -100,17 +106,36 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        prefix_grouping: bool | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. Every prompt is checked before any is queued."""
+        """One output per prompt, in order. Every prompt is checked before any is queued.
+
+        ``prefix_grouping`` (None: the scheduler config's ``prefix_grouping``) queues the batch
+        BatchLLM-style: prompts sharing a prefix together, groups with more decode work first
+        (``scheduler.prefix_tree``), so each shared prefix is computed once by the prefix
+        cache and evicted once its group is done. Outputs still come in the given order.
+        """
         if self.engine is None:
             return []
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        for p, sp in zip(prompts, params):
-            self.engine.validate(p, sp)
-        groups = [self._add(p, sp) for p, sp in zip(prompts, params)]
-        finished = self._run_to_completion(sum(len(g) for g in groups), use_tqdm)
-        return [_merge([finished[rid] for rid in g]) for g in groups]
+        checked = [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
+        order = range(len(prompts))
+        if self._grouping(prefix_grouping):
+            order = _prefix_order(checked, params, block_size=self.engine.config.block_size)
+        ids: list[list[str]] = [[] for _ in prompts]
+        for i in order:
+            ids[i] = self._add(prompts[i], params[i])
+        finished = self._run_to_completion(sum(len(g) for g in ids), use_tqdm)
+        return [_merge([finished[rid] for rid in g]) for g in ids]
+
+    def _grouping(self, requested: bool | None) -> bool:
+        sched = self.engine.config.scheduler
+        if requested is None:
+            return sched.prefix_grouping
+        if requested and not sched.enable_prefix_caching:
+            raise ValueError("prefix_grouping needs enable_prefix_caching=True")
+        return requested
 
     def chat(
         self,
@@ -165,6 +190,13 @@ def _make_engine(config: EngineConfig, loaded=None):
     if config.parallel.world_size > 1 and spmd.under_torchrun():
         return spmd.start(config)
     return LLMEngine(config, loaded=loaded)
+
+
+def _prefix_order(checked, params: list[SamplingParams], *, block_size: int) -> list[int]:
+    """Prompt indices in BatchLLM order; ``checked`` holds validate()'s (text, ids, max_tokens)."""
+    prompt_ids = [ids for _, ids, _ in checked]
+    decode_tokens = [max_tokens * sp.n for (_, _, max_tokens), sp in zip(checked, params)]
+    return schedule_order(group_by_prefix(prompt_ids, decode_tokens, block_size=block_size))
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

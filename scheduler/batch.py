@@ -18,6 +18,9 @@ from .cost_model import CostModel, attention_work
 from .request import Request, RequestStatus
 
 VictimSelector = Callable[[list[Request]], "Request | None"]
+AdmissionGate = Callable[[Request, list[int]], bool]
+"""(head of the waiting queue, its cached blocks) -> may it be admitted now? Consulted after
+the block check; see ``prefix_tree.GroupAdmission``."""
 
 
 @dataclass(slots=True)
@@ -80,6 +83,7 @@ class BatchBuilder:
         select_victim: VictimSelector,
         allow_prompt_over_budget: bool,
         now: float,
+        admission_gate: AdmissionGate | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -90,6 +94,12 @@ class BatchBuilder:
         self._select_victim = select_victim
         self._allow_prompt_over_budget = allow_prompt_over_budget
         self._now = now
+        self._admission_gate = admission_gate
+        self._peeked: list[Request] = []
+        # Prefix-cache accounting of this step's admissions (the scheduler sums them).
+        self.num_cached_tokens_admitted = 0  # hits, restarts of preempted requests included
+        self.num_cached_prompt_tokens = 0  # hits of first admissions, prompt tokens only
+        self.num_new_prompt_tokens = 0  # prompt tokens of first admissions
         self.scheduled: list[ScheduledRequest] = []
         self.preempted: list[str] = []
         self.num_tokens = 0
@@ -154,6 +164,27 @@ class BatchBuilder:
         too_long = n > self.config.max_num_batched_tokens
         return too_long and self._num_admitted == 0 and self._may_exceed_budget()
 
+    def peek_waiting(self) -> Request | None:
+        """The head of the waiting queue, its cached prefix counted as computed.
+
+        With prefix caching the head's ``num_computed_tokens`` is set to its cache hit (looked
+        up afresh: blocks may have been cached or evicted since), so ``chunk_size`` and
+        ``fits_whole`` see only the tokens left to compute. A head not admitted is reset in
+        ``build``: waiting requests hold no blocks and count nothing as computed.
+        """
+        if not self.waiting:
+            return None
+        request = self.waiting[0]
+        hit = self.block_manager.cached_prefix(request)
+        request.num_computed_tokens = len(hit) * self.block_manager.block_size
+        self._peeked.append(request)
+        return request
+
+    def can_admit(self, request: Request, num_tokens: int) -> bool:
+        """Could ``admit`` take the (peeked) head with ``num_tokens`` new tokens: are there
+        blocks, and does the admission gate (if any) let it in?"""
+        return self._can_admit(request, num_tokens, self._cached_blocks(request))
+
     def predicted_time(self) -> float:
         if self.cost_model is None:
             return 0.0
@@ -190,19 +221,22 @@ class BatchBuilder:
         assert 1 <= num_tokens <= request.num_remaining_tokens
         if self.preempted or not self.has_seq_room:
             return False
-        if not self.block_manager.can_allocate(num_tokens):
+        hit = self._cached_blocks(request)
+        if not self._can_admit(request, num_tokens, hit):
             return False
         self.waiting.popleft()
-        self.block_manager.allocate(request.request_id, num_tokens)
+        self.block_manager.allocate(request.request_id, request.num_computed_tokens + num_tokens, hit)
+        self._count_admission(request)
         request.status = RequestStatus.RUNNING
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = self._now
         bisect.insort(self.running, request, key=self._arrival_key)
         self._add(request, num_tokens)
         self._num_admitted += 1
         return True
 
     def build(self, step_id: int) -> SchedulerOutput:
+        for request in self._peeked:
+            if request.status is not RequestStatus.RUNNING:
+                request.num_computed_tokens = 0  # not admitted: its hit is looked up again
         return SchedulerOutput(
             scheduled=self.scheduled,
             preempted=self.preempted,
@@ -211,6 +245,27 @@ class BatchBuilder:
         )
 
     # ---- internals ------------------------------------------------------------------------
+
+    def _cached_blocks(self, request: Request) -> list[int]:
+        """The head's cache hit, as ``peek_waiting`` counted it (nothing changed since)."""
+        hit = self.block_manager.cached_prefix(request)
+        assert len(hit) * self.block_manager.block_size == request.num_computed_tokens, (
+            "admit() without peek_waiting(), or the cache changed in between"
+        )
+        return hit
+
+    def _can_admit(self, request: Request, num_tokens: int, hit: list[int]) -> bool:
+        context_len = request.num_computed_tokens + num_tokens
+        if not self.block_manager.can_allocate(context_len, hit):
+            return False
+        return self._admission_gate is None or self._admission_gate(request, hit)
+
+    def _count_admission(self, request: Request) -> None:
+        self.num_cached_tokens_admitted += request.num_computed_tokens
+        if request.first_scheduled_time is None:  # a first admission, not a restart
+            request.first_scheduled_time = self._now
+            self.num_cached_prompt_tokens += min(request.num_computed_tokens, request.num_prompt_tokens)
+            self.num_new_prompt_tokens += request.num_prompt_tokens
 
     def _add(self, request: Request, num_tokens: int) -> None:
         if num_tokens > self.token_budget_left:
@@ -228,6 +283,7 @@ class BatchBuilder:
             )
         )
         self._ids.add(request.request_id)
+        self.block_manager.note_scheduled(request, computed + num_tokens)
         request.num_computed_tokens += num_tokens  # in flight from now on
         request.num_inflight_chunks += 1
         request.awaiting_token = needs_sample

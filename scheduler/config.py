@@ -34,10 +34,31 @@ class SchedulerConfig:
     """Sarathi only: fill each micro-batch up to this *predicted* time (cost model) instead of
     the token budget; max_num_batched_tokens still caps the tokens."""
 
+    cost_model_path: str | None = None
+    """JSON profile written by `pipeserve profile` (CostModel coefficients). Read by the engine,
+    never here; None with time_budget_s set means CostModel.analytic_default() (CPU scale)."""
+
     allow_same_request_in_consecutive_chunks: bool = True
     """Let a prompt's next chunk enter the next micro-batch while the previous chunk is still
     in flight (each stage runs micro-batches in order, so the earlier chunk's KV is there in
     time). False restores Sarathi-Serve's rule: one chunk per request in flight."""
+
+    enable_prefix_caching: bool = False
+    """Automatic prefix caching (vLLM's APC): full KV blocks are indexed by a chained hash of
+    their tokens once computed, shared by every request with the same prefix (reference
+    counted), and kept after their last user finishes until evicted, least recently used
+    first. A request starts with its longest cached prefix counted as computed (never all of
+    it: one token is always left to compute). Off by default; greedy outputs are the same
+    either way."""
+
+    prefix_grouping: bool = False
+    """BatchLLM-style admission for large offline batches whose requests share prefixes (needs
+    enable_prefix_caching; pair it with ``LLM.generate(..., prefix_grouping=True)``, which
+    orders the batch by prefix group). A waiting request is held while another request's
+    in-flight chunk computes the next block of its prefix (so shared KV is computed once),
+    and is admitted only if the KV its whole run may need (prompt + max_tokens, less its
+    cache hit) fits beside what the running requests may still grow into, so admissions do
+    not evict the live groups' prefixes or cause preemptions."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -51,5 +72,10 @@ class SchedulerConfig:
                 raise ValueError("time_budget_s is only supported by the sarathi policy")
             if not (math.isfinite(self.time_budget_s) and self.time_budget_s > 0):
                 raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s!r}")
-        if not isinstance(self.allow_same_request_in_consecutive_chunks, bool):
-            raise ValueError("allow_same_request_in_consecutive_chunks must be a bool")
+        if self.cost_model_path is not None and not isinstance(self.cost_model_path, str):
+            raise ValueError(f"cost_model_path must be a path string, got {self.cost_model_path!r}")
+        for name in ("allow_same_request_in_consecutive_chunks", "enable_prefix_caching", "prefix_grouping"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool")
+        if self.prefix_grouping and not self.enable_prefix_caching:
+            raise ValueError("prefix_grouping needs enable_prefix_caching")

@@ -37,8 +37,7 @@ def schedule_decodes(batch: BatchBuilder) -> None:
 
 def admit_whole_prompts(batch: BatchBuilder) -> None:
     """Admit waiting requests FCFS, each whole, until the first that does not fit."""
-    while batch.waiting:
-        request = batch.waiting[0]
+    while (request := batch.peek_waiting()) is not None:
         if not batch.fits_whole(request):
             break
         if not batch.admit(request, request.num_remaining_tokens):
@@ -65,8 +64,7 @@ class SarathiPolicy(Policy):
     @staticmethod
     def _admit_chunks(batch: BatchBuilder) -> None:
         # FCFS without head-of-line skipping: stop at the first request that does not fit.
-        while batch.waiting:
-            request = batch.waiting[0]
+        while (request := batch.peek_waiting()) is not None:
             num_tokens = batch.chunk_size(request)
             if num_tokens == 0 or not batch.admit(request, num_tokens):
                 return
@@ -86,10 +84,10 @@ class VllmPolicy(Policy):
 
     @staticmethod
     def _can_admit_head(batch: BatchBuilder) -> bool:
-        if not batch.waiting:
+        head = batch.peek_waiting()
+        if head is None:
             return False
-        head = batch.waiting[0]
-        return batch.fits_whole(head) and batch.block_manager.can_allocate(head.num_tokens)
+        return batch.fits_whole(head) and batch.can_admit(head, head.num_remaining_tokens)
 
 
 class OrcaPolicy(Policy):

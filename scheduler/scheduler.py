@@ -16,9 +16,11 @@ from .block_manager import BlockManager
 from .config import SchedulerConfig
 from .cost_model import CostModel
 from .policies import make_policy
+from .prefix_cache import PrefixCacheStats
+from .prefix_tree import GroupAdmission
 from .request import Request, RequestStatus
 
-__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput"]
+__all__ = ["PrefixCacheStats", "Scheduler", "ScheduledRequest", "SchedulerOutput"]
 
 
 class Scheduler:
@@ -42,7 +44,9 @@ class Scheduler:
         debug_checks: bool = False,
     ) -> None:
         self.config = config
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(
+            num_blocks, block_size, enable_caching=config.enable_prefix_caching
+        )
         num_needed = self.block_manager.num_blocks_for(config.max_model_len)
         if num_needed > num_blocks:
             raise ValueError(
@@ -62,6 +66,12 @@ class Scheduler:
         self._num_added = 0
         self._next_step_id = 0
         self.num_preemptions = 0  # over the scheduler's life, for metrics and tests
+        self._prefix_stats = PrefixCacheStats()
+        self._admission_gate = (
+            GroupAdmission(self.block_manager, self._running, max_model_len=config.max_model_len)
+            if config.prefix_grouping
+            else None
+        )
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -124,6 +134,18 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A snapshot of the prefix-cache counters (e.g. the fraction of prefill saved)."""
+        stats = self._prefix_stats
+        cache = self.block_manager.cache
+        return PrefixCacheStats(
+            num_prompt_tokens=stats.num_prompt_tokens,
+            num_cached_prompt_tokens=stats.num_cached_prompt_tokens,
+            num_cached_tokens=stats.num_cached_tokens,
+            num_evictions=cache.num_evictions if cache else 0,
+        )
+
     # ---- steps ----------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -143,11 +165,16 @@ class Scheduler:
             select_victim=self.policy.select_victim,
             allow_prompt_over_budget=not self.policy.chunks_prompts,
             now=self._clock(),
+            admission_gate=self._admission_gate,
         )
         self.policy.schedule(batch)
         output = batch.build(self._next_step_id)
         self._next_step_id += 1
         self.num_preemptions += len(output.preempted)
+        stats = self._prefix_stats
+        stats.num_prompt_tokens += batch.num_new_prompt_tokens
+        stats.num_cached_prompt_tokens += batch.num_cached_prompt_tokens
+        stats.num_cached_tokens += batch.num_cached_tokens_admitted
         self._check_output(output, batch.num_over_budget_tokens)
         return output
 
@@ -166,6 +193,10 @@ class Scheduler:
         for s in output.scheduled:
             assert s.request.num_inflight_chunks > 0, s.request
             s.request.num_inflight_chunks -= 1
+            if s.request.status is RequestStatus.RUNNING:
+                # Its KV is computed now: full blocks become cache hits for others. (A request
+                # finished since has freed its blocks, and an in-flight one is never preempted.)
+                self.block_manager.commit(s.request, s.context_len)
         for s in live:
             self._append_token(s, sampled_token_ids[s.request_id])
         return [s.request for s in live]
@@ -198,5 +229,6 @@ class Scheduler:
             assert len(s.block_table) * blocks.block_size >= s.context_len
         if self._debug_checks:
             blocks.check_invariants()
-            num_held = sum(len(blocks.block_table(r.request_id)) for r in self._running)
-            assert blocks.num_free_blocks + num_held == blocks.num_blocks, "leaked blocks"
+            # Only running requests hold blocks (shared prefixes count once).
+            held = {b for r in self._running for b in blocks.block_table(r.request_id)}
+            assert blocks.num_free_blocks + len(held) == blocks.num_blocks, "leaked blocks"

@@ -182,7 +182,9 @@ def test_pre_tokenizers_match_transformers(tmp_path, pre):
     for text in TINY_TEXTS:
         ids = ours.encode(text)
         assert ids == reference.encode(text), text
-        assert ours.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+        # Byte-level BPE round-trips exactly. (transformers 5.17 strips a leading space when
+        # decoding these GGUF tokenizers, 5.24 does not: the ids above are the reference check.)
+        assert ours.decode(ids, skip_special_tokens=False) == text
 
 
 def test_add_bos_token_from_gguf(tmp_path):
