@@ -78,7 +78,7 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
     """`variant` is "" or e.g. "tp=2" / "pp=2" (several GPUs: workers under torchrun)."""
     from pipeserve import LLM, SamplingParams
 
-    par = dict(kv.split("=") for kv in variant.split(",") if kv)
+    par = dict(kv.split("=") for kv in re.split(r"[+,]", variant) if kv)  # e.g. "tp=2+pp=2"
     os.environ["PIPESERVE_STAGE_STATS"] = "1"  # workers print their busy time at shutdown
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(folder))
     llm = LLM(
