@@ -13,10 +13,18 @@ batch; prefill chunks run one sequence at a time through SDPA.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pipeserve.runtime.attention_metadata import AttentionMetadata
+
+# cuDNN's SDPA builds an execution plan for every new shape, and every prefill chunk has a new
+# shape: on an H200 that cost ~1.3 ms of host time per call (BENCHMARKS.md, profile). The
+# flash / memory-efficient kernels have no per-shape plan.
+_GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def write_kv(
@@ -43,14 +51,16 @@ def paged_attention(
     q_lens = [starts[i + 1] - starts[i] for i in range(meta.num_seqs)]
     out = torch.empty_like(q)
     decodes = [i for i, q_len in enumerate(q_lens) if q_len == 1]
-    if decodes:
-        _decode_batch(q, kv_cache, meta, decodes, scale, out)
-    for i, q_len in enumerate(q_lens):
-        if q_len > 1:
-            start, end = starts[i], starts[i + 1]
-            out[start:end] = _prefill_one(
-                q[start:end], kv_cache, meta.block_tables[i], seq_lens[i], meta.block_size, scale
-            )
+    backends = sdpa_kernel(_GPU_BACKENDS) if q.is_cuda else contextlib.nullcontext()
+    with backends:
+        if decodes:
+            _decode_batch(q, kv_cache, meta, decodes, scale, out)
+        for i, q_len in enumerate(q_lens):
+            if q_len > 1:
+                start, end = starts[i], starts[i + 1]
+                out[start:end] = _prefill_one(
+                    q[start:end], kv_cache, meta.block_tables[i], seq_lens[i], meta.block_size, scale
+                )
     return out
 
 
