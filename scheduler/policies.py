@@ -6,19 +6,22 @@ running request needs KV blocks that are not free.
 
 from __future__ import annotations
 
+import abc
+
 from .batch import BatchBuilder
 from .request import Request
 
 
-class Policy:
+class Policy(abc.ABC):
     """Interface: fill one micro-batch; choose preemption victims."""
 
     name: str = ""
     chunks_prompts: bool = False
     """True if the policy splits prompts into chunks (so it never exceeds the token budget)."""
 
+    @abc.abstractmethod
     def schedule(self, batch: BatchBuilder) -> None:
-        raise NotImplementedError
+        """Add this step's sequences to ``batch``."""
 
     def select_victim(self, candidates: list[Request]) -> Request | None:
         """Preempt the most recent arrival (``candidates`` are in arrival order)."""
