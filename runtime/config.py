@@ -78,6 +78,9 @@ class EngineConfig:
     """CUDA only: fraction of the card the process may use (weights + activations + KV)."""
     max_model_len: int | None = None
     """Longest prompt + output; None = the model's context length."""
+    kernel_backend: str = "auto"
+    """Hot operations (norm, RoPE, SiLU·mul, KV write, attention): torch references, triton
+    kernels, or auto (Triton on CUDA, torch elsewhere)."""
     seed: int = 0
     """Seed of the global generator (requests without their own seed draw from it)."""
     record_steps: bool = False
@@ -90,6 +93,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.kernel_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeserve.kernels import kernel_ops
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
 from pipeserve.runtime.executor import (
     DistributedExecutor,
@@ -102,6 +103,7 @@ class LLMEngine:
         if config.parallel.world_size == 1:
             if loaded is None:
                 loaded = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format)
+            loaded.model.set_ops(kernel_ops(config.kernel_backend, device))
             model_config, self.tokenizer = loaded.config, loaded.tokenizer
         else:
             model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeserve.kernels import KernelOps, torch_ops
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.parallel.tp_layers import (
     MergedColumnParallelLinear,
@@ -39,30 +40,35 @@ from pipeserve.parallel.tp_layers import (
     default_weight_loader,
     shard_heads,
 )
-from pipeserve.runtime.attention import paged_attention, write_kv
 from pipeserve.runtime.attention_metadata import AttentionMetadata
 from pipeserve.runtime.model_config import ModelConfig
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm in float32, cast back before the weight multiply (as HF Llama does)."""
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): RMSNorm in float32, cast back before the weight
+    multiply (as HF Llama does)."""
+    # x, residual: [T, H]; weight: [H]
+    if residual is not None:
+        x = x + residual
+    residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), residual
 
+
+class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None, ops: KernelOps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the normed input and the new residual."""
-        # x, residual: [T, H]
-        if residual is not None:
-            x = x + residual
-        residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype), residual
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 # --- RoPE ---------------------------------------------------------------------------------
@@ -106,6 +112,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """NeoX / rotate-half RoPE, as HF Llama (dimension i pairs with i + head_dim / 2)."""
     # x: [T, nh, d]; cos, sin: [T, d]
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on queries [T, h, d] and keys [T, kvh, d] with cos, sin [T, d]."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -188,6 +201,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        ops: KernelOps,
     ) -> torch.Tensor:
         # x: [T, H]; cos, sin: [T, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
         T = x.shape[0]
@@ -195,10 +209,16 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, h, d]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        o = paged_attention(q, kv_cache, meta, self.scale)  # [T, h, d]
+        q, k = ops.rope(q, k, cos, sin)
+        ops.write_kv(k, v, kv_cache, meta.slot_mapping)
+        o = ops.paged_attention(q, kv_cache, meta, self.scale)  # [T, h, d]
         return self.o_proj(o.reshape(T, self.q_size))  # [T, H]
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -218,10 +238,9 @@ class MLP(nn.Module):
             "up_proj": ("gate_up_proj", 1),
         }
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         # x: [T, H]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I_local] each
-        return self.down_proj(F.silu(gate) * up)  # [T, H]
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I_local] -> [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -240,12 +259,13 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
+        ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block; the residual stream is ``x + residual`` on entry and exit."""
-        x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.input_layernorm(x, residual, ops)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, ops)
+        x, residual = self.post_attention_layernorm(x, residual, ops)
+        return self.mlp(x, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -255,7 +275,8 @@ class LlamaForCausalLM(nn.Module):
     end_layer == num_hidden_layers; ``layers[j]`` is global layer ``start_layer + j``.
     ``parallel`` (default: one process) gives the TP rank whose shard of every layer this
     module holds; ``num_local_kv_heads`` is the KV heads per layer on this rank, the head count
-    of its KV cache.
+    of its KV cache. ``ops`` (``pipeserve.kernels``; default the torch references, replaced
+    with ``set_ops``) runs the norm, RoPE, SiLU·mul, KV write and attention.
     """
 
     def __init__(
@@ -276,6 +297,7 @@ class LlamaForCausalLM(nn.Module):
             )
         parallel = ParallelContext.single() if parallel is None else parallel
         self.config, self.parallel = config, parallel
+        self.ops = torch_ops()
         self.start_layer, self.end_layer = start_layer, end_layer
         self.num_local_kv_heads = shard_heads(
             config.num_attention_heads,
@@ -326,12 +348,16 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, d] each
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
         if self.norm is not None:
-            x, _ = self.norm(x, residual)
+            x, _ = self.norm(x, residual, self.ops)
         elif residual is not None:
             x = x + residual
         return x
+
+    def set_ops(self, ops: KernelOps) -> None:
+        """Run the hot operations through ``ops`` (torch references or Triton kernels)."""
+        self.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,

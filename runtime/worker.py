@@ -18,6 +18,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from pipeserve.kernels import kernel_ops
 from pipeserve.parallel.context import ParallelContext, build_parallel_context
 from pipeserve.parallel.stage_plan import default_costs, plan_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
@@ -49,6 +50,7 @@ class Worker:
         loaded = load_model(config.model, dtype=self.dtype, device=device, start_layer=start,
                             end_layer=end, load_format=config.load_format, parallel=ctx)
         self.model, self.model_config = loaded.model, loaded.config
+        self.model.set_ops(kernel_ops(config.kernel_backend, device))
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
         self.num_layers = end - start
         self.num_kv_blocks = self._agree_on_kv_blocks()
