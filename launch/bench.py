@@ -386,16 +386,16 @@ def run_bench(cfg: DictConfig, out_dir: str, *, loaded=None) -> dict:
 
 
 def _with_dummy_model(config: EngineConfig, spec: DictConfig, out_dir: str) -> EngineConfig:
-    """A config-only Llama-3-8B-shaped folder (random weights at load): GPU benchmarks."""
-    from pipeserve.launch.bench_peers import parse_args, write_model_folder
+    """A config-only Llama-3-8B- or 70B-shaped folder (random weights at load): GPU benchmarks."""
+    from pipeserve.launch.bench_peers import SHAPES, parse_args, write_model_folder
 
-    if spec.shape != "llama3-8b":
-        raise ValueError(f"dummy_model.shape must be llama3-8b (or null), got {spec.shape!r}")
+    if spec.shape not in SHAPES:
+        raise ValueError(f"dummy_model.shape must be one of {sorted(SHAPES)} (or null), got {spec.shape!r}")
     tokenizer = spec.tokenizer or parse_args([]).tokenizer
     if not os.path.exists(tokenizer):
         raise ValueError(f"dummy_model.tokenizer {tokenizer!r} does not exist")
     folder = os.path.join(out_dir, "dummy_model")
-    write_model_folder(folder, tokenizer, num_layers=spec.num_layers, with_weights=False)
+    write_model_folder(folder, tokenizer, num_layers=spec.num_layers, with_weights=False, shape=spec.shape)
     return dataclasses.replace(config, model=folder, load_format="dummy")
 
 

@@ -39,6 +39,18 @@ LLAMA3_8B = dict(
 )
 
 
+# A Llama-3-70B shape (too large for one GPU in bf16 at 80 layers: ~141 GB); the GPT-2 vocab.
+LLAMA3_70B = dict(
+    LLAMA3_8B,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+)
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+
+
 def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int) -> list[list[int]]:
     import random
 
@@ -49,8 +61,10 @@ def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int
     ]
 
 
-def write_model_folder(folder: str, tokenizer_json: str, *, num_layers: int, with_weights: bool) -> None:
-    cfg = dict(LLAMA3_8B, num_hidden_layers=num_layers)
+def write_model_folder(
+    folder: str, tokenizer_json: str, *, num_layers: int, with_weights: bool, shape: str = "llama3-8b"
+) -> None:
+    cfg = dict(SHAPES[shape], num_hidden_layers=num_layers)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
