@@ -73,7 +73,7 @@ def kernel_ops(backend: str, device: torch.device) -> KernelOps:
         return torch_ops()
     if backend == "auto":
         try:
-            import triton  # noqa: F401
-        except ImportError:
+            return triton_ops()
+        except ImportError:  # no triton on this machine
             return torch_ops()
     return triton_ops()
