@@ -207,6 +207,25 @@ def stage_summary(timeline: StageTimeline, wall_start: float, wall_end: float) -
     }
 
 
+def loaded_window(requests: Sequence[RequestTimes], depth: int) -> tuple[float, float] | None:
+    """[first arrival, the moment fewer than ``depth`` requests are left unfinished]: the span in
+    which the engine could keep ``depth`` micro-batches in flight. After it (the drain) a
+    pipeline of ``depth`` stages has bubbles by construction, since one request's decode is
+    never in two micro-batches at once. None when there are fewer than ``depth`` requests."""
+    finishes = sorted(r.finished for r in requests)
+    if len(finishes) < depth or depth < 1:
+        return None
+    return min(r.arrival for r in requests), finishes[len(finishes) - depth]
+
+
+def bubble_in_window(timeline: StageTimeline, start: float, end: float) -> float | None:
+    """1 - busy / (end - start), counting only the compute inside [start, end]."""
+    if end <= start:
+        return None
+    busy = sum(max(0.0, min(s.end, end) - max(s.start, start)) for s in timeline.spans)
+    return 1.0 - busy / (end - start)
+
+
 def stage_busy_by_step(timelines: Sequence[StageTimeline], tp: int = 1) -> dict[int, float]:
     """Device-seconds each micro-batch took, summed over stages (x tp ranks per stage)."""
     out: dict[int, float] = {}

@@ -181,3 +181,20 @@ def test_cost_model_loads_from_a_profile_or_a_bare_dict(tmp_path):
     with pytest.raises(ValueError, match="cost_model_path"):
         SchedulerConfig(cost_model_path=3)
     assert math.isfinite(CostModel.analytic_default().predict(10, 10, 1))
+
+
+def test_loaded_window_ends_when_fewer_than_depth_requests_remain():
+    finishes = [5.0, 9.0, 2.0, 7.0]  # sorted: 2, 5, 7, 9
+    reqs = [M.RequestTimes(str(i), 1.0 + i, 0, 0, [], f, 1, 1) for i, f in enumerate(finishes)]
+    # depth 2: after the third finish (t=7) only one request is left.
+    assert M.loaded_window(reqs, 2) == (1.0, 7.0)
+    assert M.loaded_window(reqs, 1) == (1.0, 9.0)
+    assert M.loaded_window(reqs, 5) is None
+
+
+def test_bubble_in_window_counts_only_compute_inside_it():
+    spans = [M.StageSpan(0, 0.0, 0.0, 2.0), M.StageSpan(1, 2.0, 3.0, 4.0), M.StageSpan(2, 4.0, 9.0, 12.0)]
+    tl = M.StageTimeline(stage=0, rank=0, spans=spans)
+    # window [1, 10]: busy 1 (1..2) + 1 (3..4) + 1 (9..10) = 3 of 9 seconds
+    assert M.bubble_in_window(tl, 1.0, 10.0) == pytest.approx(1 - 3 / 9)
+    assert M.bubble_in_window(tl, 5.0, 5.0) is None
