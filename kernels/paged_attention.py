@@ -1,0 +1,246 @@
+"""Paged attention over a packed mixed batch, in one Triton launch (flash-attention style).
+
+Semantics are those of the torch reference ``pipeserve.runtime.attention.paged_attention``:
+sequence i's ``q_len`` queries are the last q_len of its ``seq_len`` positions (query j sits
+at ``seq_len - q_len + j``, causal, bottom-right aligned), and query head h reads KV head
+``h // g`` with ``g = num_heads // num_kv_heads``.
+
+One program handles BLOCK_M rows of one (sequence, KV head): the rows fold that KV head's g
+query heads into the M dimension (row r is query ``r // g``, head ``kv_head * g + r % g``), so
+GQA reads each K/V tile once per group. It walks the sequence's keys BLOCK_N at a time, looking
+each key's block up in the block table, with an online softmax in float32: first the tiles
+every row sees whole (no mask), then the tiles along the causal diagonal (masked).
+
+Grid: ``(num_seqs, cdiv(max_q_len * g, BLOCK_M), num_kv_heads)``; programs past their
+sequence's rows return at once. A decode-only batch (T == num_seqs) uses small M tiles
+(16 rows, or g rounded up to a power of two: one tile per sequence and KV head) and never
+reads query_start_loc, so it can be captured in a CUDA graph. Tile sizes are untuned
+defaults (BLOCK_N 64; BLOCK_M 64 for mixed batches, 16 for decodes). There is no split-KV:
+a decode batch runs S * kvh programs, each over its whole context.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pipeserve.runtime.attention_metadata import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_cache_ptr,
+    v_cache_ptr,
+    table_ptr,
+    kv_head_off,
+    start_n,
+    seq_len,
+    q_pos,
+    qk_scale,
+    stride_kb,
+    stride_ks,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One BLOCK_N tile of keys: gather K/V through the block table, update the online softmax."""
+    k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    dims = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
+    in_ctx = k_pos < seq_len  # [BLOCK_N]; all True for an unmasked tile
+    if MASKED:
+        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=in_ctx, other=0)
+    else:
+        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE)
+    # [BLOCK_N] element offset of each key's row for this KV head
+    rows = blocks.to(tl.int64) * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head_off
+    if MASKED:
+        k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=in_ctx[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=in_ctx[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None])  # [HEAD_DIM, BLOCK_N]
+        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :])  # [BLOCK_N, HEAD_DIM]
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        visible = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+    # A row that has seen no visible key yet keeps m = -inf; subtract 0 then, not -inf (NaN).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
+    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    m_block = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    if DECODE_ONLY:  # token i is sequence i's only query
+        q_start = seq
+        q_len = 1
+    else:
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len * G:  # past this sequence's rows
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len  # cached prefix; -1 for a padded decode row (seq_len 0)
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_valid = rows < q_len * G
+    q_idx = rows // G  # query within the sequence
+    heads = kv_head * G + rows % G
+    q_pos = ctx_len + q_idx  # absolute position of each row's query
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = (q_start + q_idx).to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_kh
+
+    # Keys [0, full_end) are visible to every row of this tile (all precede its first query);
+    # keys [full_end, kv_end) straddle the diagonal or the context's end and need the mask.
+    first_q = (m_block * BLOCK_M) // G
+    last_q = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
+    full_end = (ctx_len + first_q + 1) // BLOCK_N * BLOCK_N  # ctx_len + first_q + 1 >= 0
+    kv_end = ctx_len + last_q + 1  # <= seq_len
+    for start_n in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
+            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
+            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    # A row with no visible key (a padded row with seq_len 0) has l = 0 and acc = 0: output 0.
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_rows = (q_start + q_idx).to(tl.int64) * stride_ot + heads * stride_oh  # [BLOCK_M]
+    tl.store(
+        out_ptr + o_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_valid[:, None],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached context; returns [T, h, d].
+
+    The new tokens' K/V must already be in ``kv_cache`` (``write_kv`` first).
+
+    Contract (asserted): q is ``[T, h, d]`` with unit stride on d; ``kv_cache`` is a contiguous
+    ``[2, num_blocks, block_size, kvh, d]`` of q's dtype (fp16, bf16 or fp32); h % kvh == 0;
+    d is a power of two >= 16; ``meta.seq_lens`` [S], ``meta.query_start_loc`` [S+1] and
+    ``meta.block_tables`` [S, max_blocks] are int32 on q's device. Every sequence has
+    q_len >= 1 and q_len <= seq_len, except a padded decode row: q_len 1, seq_len 0, which
+    reads nothing and outputs zeros. Block-table entries past ``cdiv(seq_len, block_size)``
+    are never read. The output is float32-accumulated and has q's dtype.
+
+    Decode-only batches (T == S, i.e. every q_len is 1) are CUDA-graph capturable: the launch
+    depends only on S, the head counts, d and block_size; the kernel reads seq_lens and
+    block_tables from the device tensors and does not read query_start_loc at all (token i is
+    sequence i's query). No host list of ``meta`` is read there. Other batches read
+    ``meta.query_start_loc_cpu`` on the host for the grid's max query length.
+    """
+    # q: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
+    T, h, d = q.shape
+    assert kv_cache.dim() == 5 and kv_cache.shape[0] == 2, "kv_cache: [2, num_blocks, bs, kvh, d]"
+    assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
+    _, _, block_size, kvh, d_cache = kv_cache.shape
+    assert d_cache == d and h % kvh == 0, (q.shape, kv_cache.shape)
+    assert d >= 16 and d & (d - 1) == 0, f"head_dim must be a power of two >= 16, got {d}"
+    assert block_size == meta.block_size, (block_size, meta.block_size)
+    assert q.stride(2) == 1, "q's last dim must be contiguous"
+    assert q.dtype == kv_cache.dtype, (q.dtype, kv_cache.dtype)
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    num_seqs = meta.seq_lens.shape[0]
+    assert meta.query_start_loc.shape == (num_seqs + 1,), (meta.query_start_loc.shape, num_seqs)
+    assert meta.block_tables.dim() == 2 and meta.block_tables.shape[0] == num_seqs
+    for t in (meta.seq_lens, meta.query_start_loc, meta.block_tables):
+        assert t.dtype == torch.int32 and t.device == q.device, (t.dtype, t.device)
+    assert meta.block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+
+    out = torch.empty((T, h, d), dtype=q.dtype, device=q.device)  # [T, h, d]
+    if T == 0 or num_seqs == 0:
+        return out
+    g = h // kvh
+    decode_only = T == num_seqs  # every sequence has q_len >= 1, so all are 1
+    if decode_only:
+        block_m, block_n, num_warps, max_q_len = max(16, triton.next_power_of_2(g)), 64, 4, 1
+    else:
+        block_m, block_n, num_warps = max(64, triton.next_power_of_2(g)), 64, 4
+        max_q_len = meta.max_query_len
+    grid = (num_seqs, triton.cdiv(max_q_len * g, block_m), kvh)
+    _paged_attention_kernel[grid](
+        out,
+        q,
+        kv_cache[0],
+        kv_cache[1],
+        meta.block_tables,
+        meta.seq_lens,
+        meta.query_start_loc,
+        scale * _LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        meta.block_tables.stride(0),
+        G=g,
+        HEAD_DIM=d,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DECODE_ONLY=decode_only,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=3,  # with 16-divisible strides the K/V gathers become cp.async pipelines
+    )
+    return out

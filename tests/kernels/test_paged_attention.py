@@ -1,0 +1,292 @@
+"""paged_attention (Triton) against the naive float64 ``attention_reference``.
+
+Fresh random inputs every run (the seed is in every failure message). Block tables are
+shuffled, and every cache slot no sequence owns (unused blocks, and the tail of each
+sequence's last block) holds NaN, so a read past a context shows as NaN in the output. The
+kernel's output buffer comes from the allocator right after a NaN-filled buffer of the same
+size is freed (on GPU the caching allocator hands the same memory back), so an unwritten row
+shows too. Runs under the Triton interpreter on CPU (float32, float16, tiny shapes; the
+interpreter mishandles bfloat16) and natively on GPU (the ``gpu`` tests: bfloat16, long
+contexts, head_dim 128, CUDA-graph capture of a decode batch).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers_model import make_metadata  # noqa: E402
+
+from pipeserve.kernels.paged_attention import paged_attention  # noqa: E402
+from pipeserve.runtime.attention import attention_reference  # noqa: E402
+from pipeserve.runtime.attention_metadata import AttentionMetadata  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = [
+    pytest.mark.skipif(
+        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+        reason="Triton needs CUDA or TRITON_INTERPRET=1",
+    ),
+    # Triton 3.6's interpreter turns 1-element arrays into loop bounds the deprecated way.
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# max |got - reference| allowed, per dtype: rounding of q/K/V is in both; what is left is
+# the probabilities' cast for P @ V and the output's rounding.
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
+
+MIXED = [
+    (1, 37),  # decode
+    (9, 50),  # prefill chunk over a cached prefix
+    (23, 23),  # whole prompt
+    (1, 1),  # decode of a one-token context
+    (1, 32),  # decode ending on a block boundary
+    (16, 32),  # chunk ending on a block boundary
+]
+
+
+def _random_case(seqs, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed, pad=0):
+    """q [T, h, d], a NaN-poisoned paged cache and metadata for (q_len, seq_len) seqs; then
+    ``pad`` padded decode rows (q_len 1, seq_len 0, block table all zeros) at the end."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-seq_len // block_size) for _, seq_len in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    free = list(range(1, num_blocks))  # block 0 stays NaN: padded table entries point there
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(n)] for n in blocks_per_seq]
+    cache = torch.full((2, num_blocks * block_size, num_kv_heads, head_dim), float("nan"))
+    for (_, seq_len), table in zip(seqs, tables, strict=True):
+        pos = torch.arange(seq_len)
+        slots = torch.tensor(table)[pos // block_size] * block_size + pos % block_size
+        cache[:, slots] = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
+    kv_cache = cache.view(2, num_blocks, block_size, num_kv_heads, head_dim)
+    meta = make_metadata(seqs, tables, block_size)
+    if pad:
+        meta = _with_padded_rows(meta, pad)
+    T = meta.query_start_loc_cpu[-1]
+    q = torch.randn(T, num_heads, head_dim, generator=gen)
+    return q.to(DEVICE, dtype), kv_cache.to(DEVICE, dtype), _to(meta, DEVICE)
+
+
+def _with_padded_rows(meta: AttentionMetadata, pad: int) -> AttentionMetadata:
+    """``meta`` plus ``pad`` decode rows of an empty context, as a CUDA-graph runner pads."""
+    starts = meta.query_start_loc_cpu + [meta.query_start_loc_cpu[-1] + i + 1 for i in range(pad)]
+    seq_lens = meta.seq_lens_cpu + [0] * pad
+    tables = torch.cat(
+        [meta.block_tables, meta.block_tables.new_zeros(pad, meta.block_tables.shape[1])]
+    )
+    return AttentionMetadata(
+        slot_mapping=torch.cat([meta.slot_mapping, torch.full((pad,), -1)]),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        block_size=meta.block_size,
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping.to(device),
+        query_start_loc=meta.query_start_loc.to(device),
+        seq_lens=meta.seq_lens.to(device),
+        block_tables=meta.block_tables.to(device),
+        block_size=meta.block_size,
+        query_start_loc_cpu=list(meta.query_start_loc_cpu),
+        seq_lens_cpu=list(meta.seq_lens_cpu),
+    )
+
+
+def _run(q, kv_cache, meta, scale):
+    """paged_attention, its output allocated where a NaN-filled buffer just was."""
+    poison = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    del poison
+    return paged_attention(q, kv_cache, meta, scale)
+
+
+def _check(got, q, kv_cache, meta, scale, seed):
+    assert got.shape == q.shape and got.dtype == q.dtype, (got.shape, got.dtype)
+    want = attention_reference(q, kv_cache, meta, scale)  # float64, CPU
+    err = (got.double().cpu() - want).abs().max().item()
+    assert err <= ATOL[q.dtype], f"seed {seed}: max |err| {err:.3g} > {ATOL[q.dtype]}"
+
+
+def _seed() -> int:
+    return random.randrange(2**31)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_mixed_batch_matches_reference(num_heads, num_kv_heads, block_size, dtype):
+    seed = _seed()
+    case = dict(block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    q, kv_cache, meta = _random_case(MIXED, **case, head_dim=64, dtype=dtype, seed=seed)
+    _check(_run(q, kv_cache, meta, 0.125), q, kv_cache, meta, 0.125, seed)
+
+
+# Contexts and chunks just either side of key-tile (64) and query-tile edges: the split into
+# whole tiles (no mask) and diagonal tiles (masked) must be exact.
+EDGES = [(1, 63), (1, 64), (1, 65), (3, 65), (2, 64), (1, 129), (40, 100), (70, 70), (22, 150)]
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 2)])
+def test_tile_edges_match_reference(num_heads, num_kv_heads):
+    seed = _seed()
+    case = dict(block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    q, kv_cache, meta = _random_case(EDGES, **case, head_dim=16, dtype=torch.float32, seed=seed)
+    _check(_run(q, kv_cache, meta, 0.25), q, kv_cache, meta, 0.25, seed)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 2)])
+def test_decode_batch_with_padded_rows(num_heads, num_kv_heads, block_size):
+    """Decode only, as a CUDA-graph runner pads it: padded rows (seq_len 0, table -> block 0,
+    whose slots are NaN) come out as zeros, the real rows match the reference."""
+    seed = _seed()
+    seqs = [(1, 5), (1, 40), (1, 17), (1, 64)]
+    case = dict(block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    q, kv_cache, meta = _random_case(
+        seqs, **case, head_dim=64, dtype=torch.float32, seed=seed, pad=2
+    )
+    got = _run(q, kv_cache, meta, 0.125)
+    assert torch.equal(got[len(seqs) :], torch.zeros_like(got[len(seqs) :])), f"seed {seed}"
+    _check(got, q, kv_cache, meta, 0.125, seed)  # the reference gives zeros there too
+
+
+def test_decode_batch_reads_only_device_metadata():
+    """A decode-only batch must not depend on the host lists' values or on query_start_loc
+    (a captured CUDA graph replays with new seq_lens / block_tables in the device tensors)."""
+    seed = _seed()
+    seqs = [(1, 20), (1, 3), (1, 33)]
+    q, kv_cache, meta = _random_case(
+        seqs,
+        block_size=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        dtype=torch.float32,
+        seed=seed,
+    )
+    want = _run(q, kv_cache, meta, 0.2)
+    stale = _to(meta, DEVICE)
+    stale.query_start_loc_cpu = [0] + [999] * len(seqs)
+    stale.seq_lens_cpu = [0] * len(seqs)
+    stale.query_start_loc.fill_(12345)
+    assert torch.equal(_run(q, kv_cache, stale, 0.2), want), f"seed {seed}"
+    _check(want, q, kv_cache, meta, 0.2, seed)
+
+
+def test_strided_q_from_a_fused_projection():
+    """q as a view of a fused [T, (h + 2 kvh) * d] qkv output (row stride > h * d)."""
+    seed = _seed()
+    q, kv_cache, meta = _random_case(
+        [(5, 21), (1, 9), (12, 12)],
+        block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float16, seed=seed,
+    )  # fmt: skip
+    T, h, d = q.shape
+    qkv = torch.randn(T, (h + 4) * d, device=DEVICE).to(q.dtype)
+    qkv[:, : h * d] = q.reshape(T, h * d)
+    q_view = qkv[:, : h * d].view(T, h, d)
+    assert not q_view.is_contiguous()
+    _check(_run(q_view, kv_cache, meta, 0.3), q, kv_cache, meta, 0.3, seed)
+
+
+# --- GPU: bfloat16, long contexts, head_dim 128, CUDA graphs --------------------------------
+
+GPU_MIXED = [
+    (1, 1),
+    (1, 4097),  # long decode
+    (128, 700),  # chunk over a long cached prefix
+    (1, 63),
+    (300, 300),  # whole prompt
+    (37, 2000),
+    (1, 512),
+    (64, 64),
+    (1, 17),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim", [(32, 8, 128), (9, 3, 64), (8, 8, 128), (28, 4, 128)]
+)
+def test_gpu_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
+    seed = _seed()
+    case = dict(block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    q, kv_cache, meta = _random_case(GPU_MIXED, **case, head_dim=head_dim, dtype=dtype, seed=seed)
+    scale = head_dim**-0.5
+    _check(_run(q, kv_cache, meta, scale), q, kv_cache, meta, scale, seed)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(32, 8, 128), (9, 3, 64)])
+def test_gpu_decode_batch_matches_reference(num_heads, num_kv_heads, head_dim):
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = [(1, rng.randrange(1, 3000)) for _ in range(64)]
+    case = dict(block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    q, kv_cache, meta = _random_case(seqs, **case, dtype=torch.bfloat16, seed=seed, pad=3)
+    got = _run(q, kv_cache, meta, 0.1)
+    assert torch.equal(got[-3:], torch.zeros_like(got[-3:])), f"seed {seed}"
+    _check(got, q, kv_cache, meta, 0.1, seed)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_is_cuda_graph_capturable():
+    """Capture a decode batch once, then replay it with new contexts written into the same
+    device tensors (seq_lens, block_tables, q): each replay matches the reference."""
+    seed = _seed()
+    rng = random.Random(seed)
+    num_seqs, max_blocks, bs = 8, 40, 16
+    case = dict(block_size=bs, num_heads=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+
+    def fresh():
+        seqs = [(1, rng.randrange(1, max_blocks * bs)) for _ in range(num_seqs - 1)]
+        q, kv_cache, meta = _random_case(seqs, **case, seed=rng.randrange(2**31), pad=1)
+        tables = torch.zeros(num_seqs, max_blocks, dtype=torch.int32, device=DEVICE)
+        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+        meta.block_tables = tables
+        return q, kv_cache, meta
+
+    q0, cache0, meta0 = fresh()
+    static_q, static_meta = q0.clone(), _to(meta0, DEVICE)
+    num_blocks = 2 * max_blocks * num_seqs  # more than any fresh() cache has
+    static_cache = torch.zeros(2, num_blocks, bs, 8, 128, dtype=torch.bfloat16, device=DEVICE)
+
+    def load(q, kv_cache, meta):
+        static_q.copy_(q)
+        static_cache.zero_()
+        static_cache[:, : kv_cache.shape[1]] = kv_cache
+        static_meta.seq_lens.copy_(meta.seq_lens)
+        static_meta.block_tables.copy_(meta.block_tables)
+
+    load(q0, cache0, meta0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (compile) outside the capture
+        paged_attention(static_q, static_cache, static_meta, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = paged_attention(static_q, static_cache, static_meta, 0.1)
+    for _ in range(3):
+        q, kv_cache, meta = fresh()
+        load(q, kv_cache, meta)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out[-1], torch.zeros_like(static_out[-1])), f"seed {seed}"
+        _check(static_out.clone(), q, static_cache, meta, 0.1, seed)
