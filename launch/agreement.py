@@ -47,6 +47,7 @@ def run_layout(model: str, layout: str, args) -> dict:
 
     par = dict(kv.split("=") for kv in layout.split("+") if kv != "1")
     llm = LLM(model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+              kernel_backend=args.kernel_backend,
               tensor_parallel_size=int(par.get("tp", 1)), pipeline_parallel_size=int(par.get("pp", 1)))
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs)
     outs = llm.chat([[{"role": "user", "content": p}] for p in prompts(args.num_prompts)], params)
@@ -88,6 +89,7 @@ def main(argv=None) -> None:
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--kernel-backend", default="auto", help="auto | torch | triton")
     p.add_argument("--workdir", default=".")
     p.add_argument("--out", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)

@@ -41,6 +41,7 @@ class LLM:
         num_microbatches_in_flight: int | None = None,
         enable_prefix_caching: bool = False,
         prefix_grouping: bool = False,
+        kernel_backend: str = "auto",
     ) -> None:
         """With tensor_parallel_size × pipeline_parallel_size > 1 the engine stays in this
         process and starts that many workers under torchrun; `close()` stops them.
@@ -64,6 +65,7 @@ class LLM:
                 gpu_memory_utilization=gpu_memory_utilization,
                 max_model_len=max_model_len,
                 seed=seed,
+                kernel_backend=kernel_backend,
                 scheduler=scheduler,
                 parallel=ParallelConfig(
                     tp=tensor_parallel_size,
