@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from pipeserve.kernels.rope import rope  # noqa: E402
-from pipeserve.runtime.model import RotaryEmbedding, rope_reference  # noqa: E402
+from pipeserve.runtime.model import RotaryEmbedding, rope_reference, rotate_half  # noqa: E402
 from pipeserve.runtime.model_config import ModelConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -87,16 +87,27 @@ def _qk_views(layout, buf, T, h, kvh, d):
     return buf[:, : h * d].view(T, h, d), buf[:, h * d : (h + kvh) * d].view(T, kvh, d)
 
 
-def _check(got, want, seed):
+def _check(got, want, x, cos, sin, seed):
+    """``got`` against the torch reference ``want`` (same dtype) and an exact float32 one.
+
+    Half precision: the result must lie within the rounding error of the computation, i.e. a
+    couple of units in the last place of the products x·cos and x·sin (with cancellation the
+    result itself can be much smaller than they are). Exact bit equality with the eager torch
+    reference is not required: GPUs may round a product at a different point.
+    """
     msg = f"seed {seed}"
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=msg)
         return
-    # Same rounding points as the reference: equal but for a rare fused multiply-add.
+    xf, cf, sf = x.float(), cos.float()[:, None, :], sin.float()[:, None, :]
+    exact = xf * cf + rotate_half(xf) * sf  # [T, nh, d], float32
+    scale = (xf * cf).abs() + (rotate_half(xf) * sf).abs()
     ulp = torch.finfo(got.dtype).eps
-    torch.testing.assert_close(got, want, rtol=2 * ulp, atol=2 * ulp, msg=msg)
-    exact = (got == want).float().mean().item()
-    assert exact >= 0.99, f"only {exact:.3f} of elements match exactly, {msg}"
+    for name, ref, ulps in (("float32 reference", exact, 2), ("torch reference", want.float(), 3)):
+        err = (got.float() - ref).abs()
+        bound = ulps * ulp * scale + torch.finfo(got.dtype).tiny
+        worst = (err / bound).max().item()
+        assert worst <= 1.0, f"{name}: error {worst:.2f}× the rounding bound, {msg}"
 
 
 def _run_case(*, layout, T, h, kvh, d, scaled, dtype, device=DEVICE):
@@ -106,13 +117,14 @@ def _run_case(*, layout, T, h, kvh, d, scaled, dtype, device=DEVICE):
     buf = _backing(layout, T, h, kvh, d, dtype, gen, device)
     q, k = _qk_views(layout, buf, T, h, kvh, d)
     buf_before = buf.clone()
+    q_in, k_in = q.clone(), k.clone()
     want_q, want_k = rope_reference(q.clone(), k.clone(), cos, sin)
 
     got_q, got_k = rope(q, k, cos, sin)
 
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr(), "not in place"
-    _check(got_q, want_q, seed)
-    _check(got_k, want_k, seed)
+    _check(got_q, want_q, q_in, cos, sin, seed)
+    _check(got_k, want_k, k_in, cos, sin, seed)
     # Everything outside q and k (v, padding) is untouched.
     untouched = torch.ones_like(buf, dtype=torch.bool)
     for view in _qk_views(layout, untouched, T, h, kvh, d):
