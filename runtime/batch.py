@@ -6,6 +6,7 @@ turns it into the packed, padding-free tensors one forward pass takes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,8 +47,8 @@ class StepInputs:
     @property
     def sample_indices(self) -> list[int]:
         """Row in the packed batch of the last token of every sequence that samples."""
-        ends = np.cumsum(self.query_lens) - 1
-        return [int(ends[i]) for i, s in enumerate(self.needs_sample) if s]
+        ends = np.cumsum(self.query_lens, dtype=np.int64) - 1
+        return ends[np.asarray(self.needs_sample, dtype=bool)].tolist()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,10 +69,7 @@ def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> Mo
     # positions: for each sequence, start .. start+q_len-1
     seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = starts[seq_of_token] + (np.arange(query_start[-1]) - query_start[seq_of_token])
-    max_blocks = max((len(t) for t in step.block_tables), default=0)
-    tables = np.zeros((len(q_lens), max(max_blocks, 1)), dtype=np.int64)
-    for i, t in enumerate(step.block_tables):
-        tables[i, : len(t)] = t
+    tables = _pad_block_tables(step.block_tables)
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -90,5 +88,19 @@ def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> Mo
         input_ids=dev(np.asarray(step.token_ids, dtype=np.int64), torch.int64),
         positions=dev(positions, torch.int64),
         meta=meta,
-        sample_indices=dev(np.asarray(step.sample_indices, dtype=np.int64), torch.int64),
+        # step.sample_indices, from the offsets computed above: the last row of each sampled seq
+        sample_indices=dev(query_start[1:][np.asarray(step.needs_sample, dtype=bool)] - 1, torch.int64),
     )
+
+
+def _pad_block_tables(block_tables: list[list[int]]) -> np.ndarray:
+    """[S, max_blocks] int64 (at least one column), each row padded with 0."""
+    num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    tables = np.zeros((len(block_tables), max(int(num_blocks.max(initial=0)), 1)), dtype=np.int64)
+    # One assignment instead of one per row: the mask selects each row's leading entries in
+    # row-major order, which is the order of the concatenated tables.
+    is_block = np.arange(tables.shape[1]) < num_blocks[:, None]
+    tables[is_block] = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(num_blocks.sum())
+    )
+    return tables

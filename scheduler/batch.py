@@ -93,6 +93,7 @@ class BatchBuilder:
         self._arrival_order = arrival_order
         self._select_victim = select_victim
         self._allow_prompt_over_budget = allow_prompt_over_budget
+        self._consecutive_ok = config.allow_same_request_in_consecutive_chunks
         self._now = now
         self._admission_gate = admission_gate
         self._peeked: list[Request] = []
@@ -125,27 +126,25 @@ class BatchBuilder:
 
     def is_schedulable(self, request: Request) -> bool:
         """A running request with known tokens to compute, not blocked by an in-flight chunk."""
-        if request.status is not RequestStatus.RUNNING or request.request_id in self._ids:
-            return False
-        if request.awaiting_token or request.num_remaining_tokens == 0:
-            return False
-        consecutive_ok = self.config.allow_same_request_in_consecutive_chunks
-        return consecutive_ok or request.num_inflight_chunks == 0
+        return request.num_remaining_tokens > 0 and self._is_unblocked(request)
 
     def running_decodes(self) -> list[Request]:
         """Schedulable running requests with exactly one token left, in arrival order."""
-        return [r for r in self.running if self.is_schedulable(r) and r.num_remaining_tokens == 1]
+        unblocked = self._is_unblocked
+        return [r for r in self.running if r.num_remaining_tokens == 1 and unblocked(r)]
 
     def running_prefills(self) -> list[Request]:
         """Schedulable running requests with more than one token left, in arrival order."""
-        return [r for r in self.running if self.is_schedulable(r) and r.num_remaining_tokens > 1]
+        unblocked = self._is_unblocked
+        return [r for r in self.running if r.num_remaining_tokens > 1 and unblocked(r)]
 
     def chunk_size(self, request: Request) -> int:
         """Most tokens of ``request`` that fit this micro-batch's token (or time) budget."""
-        limit = min(request.num_remaining_tokens, self.token_budget_left)
-        if limit <= 0 or not self.has_seq_room:
+        config = self.config  # (called once per decode per step: reads the budgets directly)
+        limit = min(request.num_remaining_tokens, config.max_num_batched_tokens - self.num_tokens)
+        if limit <= 0 or len(self.scheduled) >= config.max_num_seqs:
             return 0
-        budget = self.config.time_budget_s
+        budget = config.time_budget_s
         if budget is None:
             return limit
         n = self._largest_within_time(request.num_computed_tokens, limit, budget)
@@ -198,16 +197,15 @@ class BatchBuilder:
         Returns False (scheduling nothing) if the blocks cannot be found, including when the
         request itself was the victim.
         """
-        assert num_tokens >= 1 and self.is_schedulable(request), request
+        assert 1 <= num_tokens <= request.num_remaining_tokens and self._is_unblocked(request), request
         context_len = request.num_computed_tokens + num_tokens
-        while not self.block_manager.can_append(request.request_id, context_len):
+        while not self.block_manager.try_append(request.request_id, context_len):
             victim = self._select_victim(self._victim_candidates())
             if victim is None:
                 return False
             self._preempt(victim)
             if victim is request:
                 return False
-        self.block_manager.append(request.request_id, context_len)
         self._add(request, num_tokens)
         return True
 
@@ -246,6 +244,15 @@ class BatchBuilder:
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _is_unblocked(self, request: Request) -> bool:
+        """Running, not awaiting its sampled token, not in this batch already, and not behind
+        an in-flight chunk (unless consecutive chunks are allowed)."""
+        if request.status is not RequestStatus.RUNNING or request.awaiting_token:
+            return False
+        if request.request_id in self._ids:
+            return False
+        return self._consecutive_ok or request.num_inflight_chunks == 0
+
     def _cached_blocks(self, request: Request) -> list[int]:
         """The head's cache hit, as ``peek_waiting`` counted it (nothing changed since)."""
         hit = self.block_manager.cached_prefix(request)
@@ -272,7 +279,8 @@ class BatchBuilder:
             assert self._may_exceed_budget(), "token budget exceeded"
             self.num_over_budget_tokens = num_tokens
         computed = request.num_computed_tokens
-        needs_sample = computed + num_tokens == request.num_tokens
+        context_len = computed + num_tokens
+        needs_sample = num_tokens == request.num_remaining_tokens
         self.scheduled.append(
             ScheduledRequest(
                 request=request,
@@ -283,8 +291,8 @@ class BatchBuilder:
             )
         )
         self._ids.add(request.request_id)
-        self.block_manager.note_scheduled(request, computed + num_tokens)
-        request.num_computed_tokens += num_tokens  # in flight from now on
+        self.block_manager.note_scheduled(request, context_len)
+        request.num_computed_tokens = context_len  # in flight from now on
         request.num_inflight_chunks += 1
         request.awaiting_token = needs_sample
         self.num_tokens += num_tokens

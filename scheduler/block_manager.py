@@ -118,9 +118,11 @@ class BlockManager:
 
     def note_scheduled(self, request: Request, num_tokens: int) -> None:
         """A chunk now covers the request's first ``num_tokens`` positions (in flight)."""
+        if self.cache is None:
+            return
         seq = self._seqs[request.request_id]
         n = min(num_tokens // self.block_size, len(seq.table))
-        if self.cache is None or n <= seq.num_scheduled:
+        if n <= seq.num_scheduled:
             return
         keys = self._block_keys(request, n)
         self._pending.update(keys[seq.num_scheduled : n])
@@ -129,8 +131,10 @@ class BlockManager:
     def commit(self, request: Request, num_computed_tokens: int) -> None:
         """The KV of the request's first ``num_computed_tokens`` positions is computed (its
         micro-batch completed): index the full blocks among them so other requests can hit."""
+        if self.cache is None:
+            return
         seq = self._seqs.get(request.request_id)
-        if self.cache is None or seq is None:
+        if seq is None:
             return
         n = min(num_computed_tokens // self.block_size, seq.num_scheduled)
         if n <= seq.num_committed:
@@ -173,6 +177,17 @@ class BlockManager:
     def append(self, request_id: str, num_tokens: int) -> list[int]:
         """Grow the table to cover ``num_tokens`` slots in total; return the new block ids."""
         return self._grow(request_id, self._num_missing(request_id, num_tokens))
+
+    def try_append(self, request_id: str, num_tokens: int) -> bool:
+        """``append`` if ``can_append`` (True), else change nothing (False): the scheduler's
+        check for every scheduled chunk, where most decodes need no new block."""
+        num_new = self._num_missing(request_id, num_tokens)
+        if num_new == 0:
+            return True
+        if num_new > self.num_free_blocks:
+            return False
+        self._grow(request_id, num_new)
+        return True
 
     def free(self, request_id: str) -> None:
         """Drop the request's references (no-op for an id without blocks). Cached blocks stay
@@ -245,7 +260,7 @@ class BlockManager:
         return self.num_free_blocks - revived
 
     def _num_missing(self, request_id: str, num_tokens: int) -> int:
-        return max(0, self.num_blocks_for(num_tokens) - len(self._seqs[request_id].table))
+        return max(0, -(-num_tokens // self.block_size) - len(self._seqs[request_id].table))
 
     def _grow(self, request_id: str, num_new: int) -> list[int]:
         if num_new > self.num_free_blocks:

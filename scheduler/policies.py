@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 
 from .batch import BatchBuilder
-from .request import Request
+from .request import Request, RequestStatus
 
 
 class Policy(abc.ABC):
@@ -31,7 +31,7 @@ class Policy(abc.ABC):
 def schedule_decodes(batch: BatchBuilder) -> None:
     """One token for each running decode, in arrival order, while the budgets allow."""
     for request in batch.running_decodes():
-        if not batch.is_schedulable(request):
+        if request.status is not RequestStatus.RUNNING:
             continue  # preempted for an earlier decode's blocks
         if batch.chunk_size(request) == 0:
             break
@@ -56,7 +56,7 @@ class SarathiPolicy(Policy):
     def schedule(self, batch: BatchBuilder) -> None:
         schedule_decodes(batch)
         for request in batch.running_prefills():
-            if not batch.is_schedulable(request):
+            if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier request's blocks
             num_tokens = batch.chunk_size(request)
             if num_tokens == 0:

@@ -42,6 +42,7 @@ class Request:
     __slots__ = (
         "request_id",
         "prompt_token_ids",
+        "num_prompt_tokens",
         "output_token_ids",
         "num_computed_tokens",
         "status",
@@ -62,7 +63,8 @@ class Request:
         sampling_params: object = None,
     ) -> None:
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = list(prompt_token_ids)  # never changes
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
@@ -75,16 +77,12 @@ class Request:
         self.first_scheduled_time: float | None = None
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -94,7 +92,7 @@ class Request:
     def token_ids_between(self, start: int, stop: int) -> list[int]:
         """``all_token_ids[start:stop]`` without building the whole list (a decode step reads
         one token; copying the whole context each step would cost O(context))."""
-        num_prompt = len(self.prompt_token_ids)
+        num_prompt = self.num_prompt_tokens
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : stop - num_prompt]
         if stop <= num_prompt:
@@ -104,7 +102,7 @@ class Request:
     @property
     def num_remaining_tokens(self) -> int:
         """Known tokens not yet computed nor in flight."""
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_prompt_tokens + len(self.output_token_ids) - self.num_computed_tokens
 
     @property
     def is_prefill(self) -> bool:
