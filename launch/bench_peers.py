@@ -6,6 +6,15 @@ all submitted at once. Each system runs in its own process (so one's memory neve
 next) on the same card, in the same run. Throughput counts prompt + output tokens.
 
     python -m pipeserve.launch.bench_peers --systems pipeserve,transformers --out results.json
+
+`--workload mooncake` or `shared_prefix` runs prompts that share prefixes instead (the
+Mooncake trace's last --num-requests rows, or --num-prefixes shared prompts each asked
+--num-requests / --num-prefixes questions), every request still making --output-len tokens; the
+`pipeserve:prefix=caching` and `pipeserve:prefix=grouping` systems turn on prefix caching and
+BatchLLM-style grouping (runtime/prefix_workloads.py):
+
+    python -m pipeserve.launch.bench_peers --workload mooncake \
+        --systems pipeserve,pipeserve:prefix=caching,pipeserve:prefix=grouping,fastgen
 """
 
 from __future__ import annotations
@@ -61,6 +70,35 @@ def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int
     ]
 
 
+def make_prompts(args) -> list[list[int]]:
+    """The prompts of --workload: uniform (the peers guide's), mooncake or shared_prefix."""
+    if args.workload == "uniform":
+        return make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed)
+    from pipeserve.runtime import prefix_workloads as P
+
+    if args.workload == "mooncake":
+        start = P.MOONCAKE_NUM_ROWS - args.num_requests if args.start is None else args.start
+        requests = P.mooncake_requests(P.MOONCAKE_TRACE, block_tokens=args.block_tokens, start=start,
+                                       max_requests=args.num_requests, max_input_len=args.max_prompt, seed=args.seed)
+    else:
+        if args.num_requests % args.num_prefixes:
+            raise ValueError("--num-requests must be a multiple of --num-prefixes")
+        requests = P.shared_prefix_requests(num_prefixes=args.num_prefixes,
+                                            requests_per_prefix=args.num_requests // args.num_prefixes,
+                                            prefix_len=args.prefix_len, suffix_len=args.suffix_len,
+                                            max_tokens=args.output_len, seed=args.seed)
+    return [r.prompt_token_ids for r in requests]
+
+
+def _workload_label(args) -> str:
+    if args.workload == "mooncake":
+        start = "the last rows" if args.start is None else f"rows from {args.start}"
+        return f"Mooncake trace ({start}, {args.block_tokens}-token blocks, prompts cut to {args.max_prompt})"
+    if args.workload == "shared_prefix":
+        return f"{args.num_prefixes} shared prompts of {args.prefix_len} + {args.suffix_len} own tokens"
+    return f"prompts U[{args.min_prompt},{args.max_prompt}]"
+
+
 def write_model_folder(
     folder: str, tokenizer_json: str, *, num_layers: int, with_weights: bool, shape: str = "llama3-8b"
 ) -> None:
@@ -72,7 +110,9 @@ def write_model_folder(
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:  # FastGen needs an EOS token
         json.dump({"tokenizer_class": "GPT2TokenizerFast", "bos_token": "<|endoftext|>",
                    "eos_token": "<|endoftext|>", "add_bos_token": False}, f)
-    if with_weights:  # in a child process, so the parent holds no GPU memory while peers run
+    has_weights = any(f.endswith(".safetensors") for f in os.listdir(folder))
+    if with_weights and not has_weights:  # a child process: the parent holds no GPU memory while peers run
+        # (an existing folder's weights are reused: the same seed wrote them)
         code = "import sys; from pipeserve.launch.bench_peers import _hf_model; _hf_model(sys.argv[1]).save_pretrained(sys.argv[1])"
         subprocess.run([sys.executable, "-c", code, folder], check=True)
 
@@ -89,7 +129,8 @@ def _hf_model(folder: str):
 
 
 def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, variant: str = "") -> dict:
-    """`variant` is "" or e.g. "tp=2" / "pp=2" (several GPUs: workers under torchrun)."""
+    """`variant` is "" or e.g. "tp=2" / "pp=2" (several GPUs: workers under torchrun) or
+    "prefix=caching" / "prefix=grouping" (automatic prefix caching; plus BatchLLM grouping)."""
     from pipeserve import LLM, SamplingParams
 
     par = dict(kv.split("=") for kv in re.split(r"[+,]", variant) if kv)  # e.g. "tp=2+pp=2"
@@ -104,9 +145,15 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
         block_size=args.block_size,
         tensor_parallel_size=int(par.get("tp", 1)),
         pipeline_parallel_size=int(par.get("pp", 1)),
+        enable_prefix_caching=par.get("prefix", "off") in ("caching", "grouping"),
+        prefix_grouping=par.get("prefix") == "grouping",
     )
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    # Prefix workloads warm up on reversed prompts, so that nothing of the timed run is cached.
+    warm = prompts[:4] if args.workload == "uniform" else [p[::-1] for p in prompts[:4]]
+    llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
+    scheduler = getattr(llm.engine, "scheduler", None)  # in this process unless tp/pp workers
+    cache_before = scheduler.prefix_cache_stats if scheduler is not None else None
     _sync()
     t0 = time.perf_counter()
     if args.profile:
@@ -119,8 +166,13 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
     with open(os.path.join(folder, f"tokens_pipeserve{variant}.json"), "w") as f:
         json.dump([o.outputs[0].token_ids for o in outs], f)
     blocks = llm.engine.state.num_kv_blocks
+    result = {"wall_s": wall, "num_kv_blocks": blocks}
+    if cache_before is not None:
+        after = scheduler.prefix_cache_stats
+        hit = after.num_cached_prompt_tokens - cache_before.num_cached_prompt_tokens
+        result["prefill_saved_fraction"] = hit / sum(map(len, prompts))
     llm.close()
-    return {"wall_s": wall, "num_kv_blocks": blocks}
+    return result
 
 
 def _profiled(fn, path: str):
@@ -208,11 +260,21 @@ def runner(name: str):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="pipeserve,transformers,fastgen")
+    p.add_argument("--systems", default="pipeserve,transformers,fastgen",
+                   help="pipeserve, pipeserve:<variant> (tp=2, pp=2, prefix=caching, prefix=grouping),"
+                   " transformers, fastgen")
+    p.add_argument("--workload", default="uniform", choices=("uniform", "mooncake", "shared_prefix"),
+                   help="uniform prompt lengths (the peers guide's), or prompts that share prefixes")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=128)
     p.add_argument("--max-prompt", type=int, default=2048)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--block-tokens", type=int, default=512, help="mooncake: tokens per trace hash id")
+    p.add_argument("--start", type=int, default=None,
+                   help="mooncake: first trace row (default: the last --num-requests rows)")
+    p.add_argument("--num-prefixes", type=int, default=4, help="shared_prefix: distinct shared prompts")
+    p.add_argument("--prefix-len", type=int, default=2048, help="shared_prefix: tokens of each shared prompt")
+    p.add_argument("--suffix-len", type=int, default=128, help="shared_prefix: tokens of each request's own")
     p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
@@ -229,7 +291,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    prompts = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed)
+    prompts = make_prompts(args)
     workdir = args.workdir or tempfile.mkdtemp(prefix="pipeserve-bench-")
     if args.child:
         result = runner(args.child)(workdir, prompts, args.output_len, args)
@@ -285,7 +347,7 @@ def _summary(results: dict, args, total: int) -> str:
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     base = results.get("pipeserve", {}).get("tokens_per_s")
-    rows = [f"card: {card}; {args.num_requests} requests, prompts U[{args.min_prompt},{args.max_prompt}], "
+    rows = [f"card: {card}; {args.num_requests} requests, {_workload_label(args)}, "
             f"{args.output_len} out, {args.num_layers} layers, {total} tokens",
             "| system | wall s | tokens/s | pipeserve / system |", "|---|---|---|---|"]
     for name, r in results.items():
@@ -294,6 +356,8 @@ def _summary(results: dict, args, total: int) -> str:
             extra = ""
             if "same_greedy_fraction" in r:
                 extra += f" same greedy {r['same_greedy_fraction']:.0%};"
+            if "prefill_saved_fraction" in r:
+                extra += f" prefill saved {r['prefill_saved_fraction']:.1%};"
             for st in r.get("stages", []):
                 extra += f" rank{st['rank']}/stage{st['stage']} busy {st['busy_fraction']:.0%};"
             rows.append(f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} |{extra}")

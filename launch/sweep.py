@@ -25,6 +25,8 @@ from hydra.experimental.callback import Callback
 COLUMNS = [
     ("req/s", ("throughput", "requests_per_s"), 1),
     ("out tok/s", ("throughput", "output_tokens_per_s"), 1),
+    ("total tok/s", ("throughput", "total_tokens_per_s"), 1),
+    ("prefill saved", ("prefill", "saved_fraction"), 1),
     ("TTFT P50 ms", ("ttft_s", "p50"), 1e3),
     ("TTFT P99 ms", ("ttft_s", "p99"), 1e3),
     ("TBT P50 ms", ("tbt_s", "p50"), 1e3),

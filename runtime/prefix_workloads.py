@@ -4,7 +4,8 @@
   in ``../shared/traces/mooncake``). Each row names its prompt's 512-token blocks by
   ``hash_ids``; equal ids mean an equal prefix, so every id becomes one fixed run of token ids
   and prompts with equal ids get equal tokens. ``block_tokens`` shrinks a block for small
-  runs (16 keeps the sharing structure at 1/32 of the length).
+  runs (16 keeps the sharing structure at 1/32 of the length). pipeserve ships the trace as
+  ``configs/traces/mooncake_synthetic_trace.jsonl`` (``MOONCAKE_TRACE``).
 - ``shared_prefix_requests``: many requests over a few long shared prompts (a system prompt or
   document, each asked several questions), shuffled so that grouping has work to do.
 - ``ideal_cached_fraction``: the prompt tokens an unbounded prefix cache could serve, at block
@@ -30,6 +31,22 @@ DEFAULT_TOKEN_RANGE = (1000, 32000)
 """Token ids drawn from here: clear of the special tokens at either end of the usual Llama,
 Llama-3, Mistral and SmolLM2 vocabularies."""
 
+MOONCAKE_TRACE = Path(__file__).resolve().parents[1] / "configs" / "traces" / "mooncake_synthetic_trace.jsonl"
+"""The packaged copy of the trace (see configs/traces/ATTRIBUTION.md)."""
+MOONCAKE_NUM_ROWS = 3993
+"""Requests (rows) in the trace."""
+
+
+def token_range_for(vocab_size: int | None) -> tuple[int, int]:
+    """``DEFAULT_TOKEN_RANGE``, or for a vocabulary smaller than its top (test models), the
+    upper three quarters of that vocabulary."""
+    lo, hi = DEFAULT_TOKEN_RANGE
+    if vocab_size is None or vocab_size >= hi:
+        return DEFAULT_TOKEN_RANGE
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    return min(lo, vocab_size // 4), vocab_size
+
 
 @dataclass(frozen=True, slots=True)
 class WorkloadRequest:
@@ -43,13 +60,15 @@ def mooncake_requests(
     path: str | Path,
     *,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    start: int = 0,
     max_requests: int | None = None,
     max_input_len: int | None = None,
     max_output_len: int | None = None,
     token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
     seed: int = 0,
 ) -> list[WorkloadRequest]:
-    """The trace's requests in order (arrival = its ``timestamp``, in ms, as seconds).
+    """The trace's requests in order from row ``start`` (arrival = its ``timestamp``, in ms,
+    as seconds after the first chosen row's).
 
     A prompt is its blocks' tokens cut to ``input_length`` (scaled by
     ``block_tokens / 512``); ``max_input_len`` cuts longer prompts (keeping their prefixes,
@@ -59,7 +78,8 @@ def mooncake_requests(
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     blocks = _BlockTokens(block_tokens, token_range, seed)
     out = []
-    for row in _read_jsonl(path, max_requests):
+    rows = _read_jsonl(path, start, max_requests)
+    for row in rows:
         hash_ids = row["hash_ids"]
         length = -(-row["input_length"] * block_tokens // MOONCAKE_BLOCK_TOKENS)
         length = max(1, min(length, len(hash_ids) * block_tokens))
@@ -69,8 +89,15 @@ def mooncake_requests(
         max_tokens = max(1, row["output_length"])
         if max_output_len is not None:
             max_tokens = min(max_tokens, max_output_len)
-        out.append(WorkloadRequest(tokens, max_tokens, row["timestamp"] / 1000.0))
+        out.append(WorkloadRequest(tokens, max_tokens, (row["timestamp"] - rows[0]["timestamp"]) / 1000.0))
     return out
+
+
+def mooncake_arrivals(path: str | Path, *, start: int = 0, max_requests: int | None = None) -> list[float]:
+    """Arrival times (seconds after the first chosen row) of the rows ``mooncake_requests``
+    would return, without building their prompts."""
+    rows = _read_jsonl(path, start, max_requests)
+    return [(r["timestamp"] - rows[0]["timestamp"]) / 1000.0 for r in rows]
 
 
 def shared_prefix_requests(
@@ -138,12 +165,17 @@ class _BlockTokens:
         return tokens
 
 
-def _read_jsonl(path: str | Path, limit: int | None) -> list[dict]:
-    rows = []
+def _read_jsonl(path: str | Path, start: int, limit: int | None) -> list[dict]:
+    """Non-empty rows ``start`` to ``start + limit`` (all after ``start`` with no limit)."""
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    rows, index = [], 0
     with open(path) as f:
         for line in f:
             if limit is not None and len(rows) >= limit:
                 break
             if line.strip():
-                rows.append(json.loads(line))
+                if index >= start:
+                    rows.append(json.loads(line))
+                index += 1
     return rows

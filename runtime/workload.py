@@ -9,6 +9,10 @@ length. Sources:
 - ``azure_code``, ``azure_conv``: the Azure LLM inference traces 2023, replayed with their real
   arrival times (``arrival: trace``), optionally time-scaled;
 - ``uniform``, ``zipf``: synthetic lengths in [min, max];
+- ``mooncake``, ``shared_prefix``: prompts that share prefixes, given as token ids
+  (``runtime/prefix_workloads.py``): the Mooncake trace (its arrival times, or any process) and
+  many requests over a few long shared prompts (a batch by default), for prefix caching and
+  grouping;
 - ``arrival: offline``: every request at t = 0 (a batch), with any length source.
 
 The trace files live in ``configs/traces/`` (see ATTRIBUTION.md there). Pure Python: no torch.
@@ -25,6 +29,13 @@ import os
 import random
 from dataclasses import dataclass
 
+from pipeserve.runtime.prefix_workloads import (
+    mooncake_arrivals,
+    mooncake_requests,
+    shared_prefix_requests,
+    token_range_for,
+)
+
 # Package data: installed with pipeserve (configs/traces, see ATTRIBUTION.md there).
 DEFAULT_TRACE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "traces")
 
@@ -37,7 +48,11 @@ TIMESTAMP_TRACES = {
     "azure_conv": "AzureLLMInferenceTrace_conv.csv",
 }
 SYNTHETIC = ("uniform", "zipf")
-SOURCES = (*LENGTH_TRACES, *TIMESTAMP_TRACES, *SYNTHETIC)
+PREFIX_TRACES = {"mooncake": "mooncake_synthetic_trace.jsonl"}
+PREFIX_SOURCES = (*PREFIX_TRACES, "shared_prefix")
+"""Sources whose prompts are token ids that share prefixes (RequestSpec.prompt_token_ids)."""
+SOURCES = (*LENGTH_TRACES, *TIMESTAMP_TRACES, *SYNTHETIC, *PREFIX_SOURCES)
+ARRIVAL_TRACES = (*TIMESTAMP_TRACES, *PREFIX_TRACES)
 ARRIVALS = ("poisson", "gamma", "trace", "offline")
 
 
@@ -49,6 +64,8 @@ class RequestSpec:
     arrival_s: float
     prompt_len: int
     output_len: int
+    prompt_token_ids: tuple[int, ...] | None = None
+    """The prompt, where the workload fixes it (prefix sources); None = random tokens."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,9 +73,11 @@ class WorkloadConfig:
     name: str = "workload"
     """Label in results and tables."""
     source: str = "sharegpt"
-    """Where lengths come from: arxiv, sharegpt, azure_code, azure_conv, uniform or zipf."""
+    """Where lengths come from: arxiv, sharegpt, azure_code, azure_conv, uniform or zipf; or
+    prompts that share prefixes: mooncake or shared_prefix."""
     arrival: str = "poisson"
-    """poisson or gamma (at ``rate``), trace (the Azure timestamps) or offline (all at t=0)."""
+    """poisson or gamma (at ``rate``), trace (the Azure or Mooncake timestamps) or offline (all
+    at t=0)."""
     num_requests: int = 64
     """Requests in the run."""
     rate: float | None = None
@@ -68,7 +87,7 @@ class WorkloadConfig:
     time_scale: float = 1.0
     """Trace arrivals: multiply every inter-arrival gap by this (0.5 replays twice as fast)."""
     start: int = 0
-    """Timestamped traces: first row to replay (rows are taken in order from here)."""
+    """Timestamped traces and mooncake: first row to replay (rows are taken in order from here)."""
     length_scale: float = 1.0
     """Multiply every trace length by this before clamping (shrinks real traces for CPU runs)."""
     min_prompt_len: int = 1
@@ -85,14 +104,23 @@ class WorkloadConfig:
     """Seeds length sampling and arrivals (and the bench's random prompt tokens)."""
     trace_dir: str | None = None
     """Folder of the trace files; None = the packaged configs/traces."""
+    block_tokens: int = 512
+    """mooncake: tokens behind one trace hash id (512 in the trace). Smaller shrinks every
+    prompt in proportion and keeps its sharing (16: one hash block per 16-token KV block)."""
+    num_prefixes: int = 4
+    """shared_prefix: distinct shared prompts; num_requests are split evenly among them."""
+    shared_prefix_len: int = 1024
+    """shared_prefix: tokens of each shared prompt."""
+    suffix_len: int = 32
+    """shared_prefix: tokens each request adds after its shared prompt (its question)."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"workload.source must be one of {SOURCES}, got {self.source!r}")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"workload.arrival must be one of {ARRIVALS}, got {self.arrival!r}")
-        if self.arrival == "trace" and self.source not in TIMESTAMP_TRACES:
-            raise ValueError(f"arrival=trace needs a timestamped source {tuple(TIMESTAMP_TRACES)}")
+        if self.arrival == "trace" and self.source not in ARRIVAL_TRACES:
+            raise ValueError(f"arrival=trace needs a timestamped source {ARRIVAL_TRACES}")
         if self.arrival in ("poisson", "gamma") and not (self.rate and self.rate > 0):
             raise ValueError(f"arrival={self.arrival} needs workload.rate > 0 (requests/s)")
         if self.num_requests < 1:
@@ -108,6 +136,18 @@ class WorkloadConfig:
             raise ValueError("gamma_cv, time_scale and length_scale must be > 0")
         if self.start < 0:
             raise ValueError("workload.start must be >= 0")
+        if self.source in PREFIX_SOURCES:
+            self._check_prefix_source()
+
+    def _check_prefix_source(self) -> None:
+        if self.block_tokens < 1 or self.num_prefixes < 1 or self.shared_prefix_len < 0 or self.suffix_len < 1:
+            raise ValueError("block_tokens, num_prefixes and suffix_len must be >= 1, shared_prefix_len >= 0")
+        if self.source == "shared_prefix":
+            if self.max_output_len is None:
+                raise ValueError("source=shared_prefix needs max_output_len (every request's output)")
+            if self.num_requests % self.num_prefixes:
+                raise ValueError(f"shared_prefix: num_requests ({self.num_requests}) must be a multiple"
+                                 f" of num_prefixes ({self.num_prefixes})")
 
     def with_rate(self, rate: float) -> WorkloadConfig:
         """The same workload at another arrival rate (trace arrivals: time-scaled to it)."""
@@ -122,9 +162,9 @@ class WorkloadConfig:
 
 
 def trace_path(source: str, trace_dir: str | None = None) -> str:
-    name = LENGTH_TRACES.get(source) or TIMESTAMP_TRACES.get(source)
+    name = LENGTH_TRACES.get(source) or TIMESTAMP_TRACES.get(source) or PREFIX_TRACES.get(source)
     if name is None:
-        raise ValueError(f"{source!r} is not a trace; traces: {(*LENGTH_TRACES, *TIMESTAMP_TRACES)}")
+        raise ValueError(f"{source!r} is not a trace; traces: {(*LENGTH_TRACES, *TIMESTAMP_TRACES, *PREFIX_TRACES)}")
     path = os.path.join(trace_dir or DEFAULT_TRACE_DIR, name)
     if not os.path.exists(path):
         raise ValueError(f"trace file {path} is missing (see configs/traces/ATTRIBUTION.md)")
@@ -163,17 +203,25 @@ def _parse_timestamp(text: str) -> float:
 
 def natural_rate(config: WorkloadConfig) -> float:
     """Requests/s of the selected trace rows replayed at time_scale 1."""
-    rows = load_timestamp_trace(config.source, config.trace_dir)[config.start : config.start + config.num_requests]
-    span = rows[-1][0] - rows[0][0]
-    return (len(rows) - 1) / span if span > 0 else math.inf
+    if config.source in PREFIX_TRACES:
+        times = mooncake_arrivals(trace_path(config.source, config.trace_dir), start=config.start,
+                                  max_requests=config.num_requests)
+    else:
+        rows = load_timestamp_trace(config.source, config.trace_dir)
+        times = [t for t, _, _ in rows[config.start : config.start + config.num_requests]]
+    span = times[-1] - times[0]
+    return (len(times) - 1) / span if span > 0 else math.inf
 
 
 # ---- building a workload ----------------------------------------------------------------------
 
 
-def build_workload(config: WorkloadConfig) -> list[RequestSpec]:
-    """The requests of ``config`` in arrival order (deterministic for a seed)."""
+def build_workload(config: WorkloadConfig, *, vocab_size: int | None = None) -> list[RequestSpec]:
+    """The requests of ``config`` in arrival order (deterministic for a seed). ``vocab_size``
+    bounds the token ids of prefix sources (``prefix_workloads.token_range_for``)."""
     rng = random.Random(config.seed)
+    if config.source in PREFIX_SOURCES:
+        return _prefix_workload(config, rng, token_range_for(vocab_size))
     if config.source in TIMESTAMP_TRACES:
         rows = load_timestamp_trace(config.source, config.trace_dir)
         chosen = rows[config.start : config.start + config.num_requests]
@@ -192,6 +240,32 @@ def build_workload(config: WorkloadConfig) -> list[RequestSpec]:
         lengths = [_clamp_lengths(config, p, o) for p, o in lengths]
     arrivals = _arrivals(config, rng, trace_times)
     return [RequestSpec(i, t, p, o) for i, (t, (p, o)) in enumerate(zip(arrivals, lengths))]
+
+
+def _prefix_workload(config: WorkloadConfig, rng: random.Random, token_range: tuple[int, int]) -> list[RequestSpec]:
+    """mooncake (prompts cut to max_prompt_len, outputs to max_output_len) or shared_prefix
+    (every output max_output_len), as token-id prompts."""
+    n = config.num_requests
+    if config.source == "mooncake":
+        requests = mooncake_requests(
+            trace_path(config.source, config.trace_dir), block_tokens=config.block_tokens, start=config.start,
+            max_requests=n, max_input_len=config.max_prompt_len, max_output_len=config.max_output_len,
+            token_range=token_range, seed=config.seed,
+        )
+        if len(requests) < n:
+            raise ValueError(f"the Mooncake trace has too few rows for start={config.start} + num_requests={n}")
+        trace_times = [r.arrival_time for r in requests]
+    else:
+        assert config.max_output_len is not None
+        requests = shared_prefix_requests(
+            num_prefixes=config.num_prefixes, requests_per_prefix=n // config.num_prefixes,
+            prefix_len=config.shared_prefix_len, suffix_len=config.suffix_len, max_tokens=config.max_output_len,
+            token_range=token_range, seed=config.seed,
+        )
+        trace_times = None
+    arrivals = _arrivals(config, rng, trace_times)
+    return [RequestSpec(i, t, len(r.prompt_token_ids), max(config.min_output_len, r.max_tokens),
+                        tuple(r.prompt_token_ids)) for i, (t, r) in enumerate(zip(arrivals, requests))]
 
 
 def _clamp_lengths(config: WorkloadConfig, prompt: int, output: int) -> tuple[int, int]:

@@ -28,7 +28,8 @@ def test_trace_row_counts(source):
 def test_trace_files_match_their_checksums_and_carry_attribution():
     folder = W.DEFAULT_TRACE_DIR
     sums = dict(reversed(line.split()) for line in open(os.path.join(folder, "SHA256SUMS")) if line.strip())
-    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.csv")))
+    paths = glob.glob(os.path.join(folder, "*.csv")) + glob.glob(os.path.join(folder, "*.jsonl"))
+    files = sorted(os.path.basename(p) for p in paths)
     assert files == sorted(sums)
     for name in files:
         with open(os.path.join(folder, name), "rb") as f:
