@@ -7,7 +7,8 @@ forever):
 - engine PUB  (``plan_endpoint``)   → every worker's SUB: ``Ready``, ``StepPlan``, ``Shutdown``
   under topic ``P``; the engine's own ``Heartbeat`` under topic ``H``.
 - engine PULL (``result_endpoint``) ← every worker's PUSH: ``Hello``, ``StepResult``,
-  ``WorkerError``, and ``Heartbeat`` from each worker's heartbeat thread (own PUSH socket).
+  ``WorkerError``, and ``Heartbeat`` from each worker's heartbeat thread (own PUSH socket);
+  a stage's TP rank 0 puts its busy time on its heartbeats (``EngineChannel.stage_busy_s``).
 
 Handshake. PUB silently drops what it publishes before a subscriber's subscription has
 arrived, so the engine publishes ``Ready`` every ~50 ms, and a worker sends ``Hello`` only
@@ -42,6 +43,7 @@ from pipeserve.parallel.wire import (
     Message,
     Ready,
     Shutdown,
+    StageBusy,
     StepPlan,
     StepResult,
     WorkerError,
@@ -186,6 +188,8 @@ class EngineChannel:
         self._last_seen = {rank: time.monotonic() for rank in range(world_size)}
         self._last_heartbeat = 0.0
         self._result_rank: int | None = None  # known after the handshake
+        self.stage_busy_s: dict[int, float] = {}
+        """Stage → its busy seconds so far, from the latest heartbeat of its TP rank 0."""
 
     def _bind(self, sock: zmq.Socket, port: int) -> int:
         address = _tcp(self.config.host)
@@ -257,6 +261,8 @@ class EngineChannel:
         rank = self._result_rank if isinstance(msg, StepResult) else getattr(msg, "rank", None)
         if rank in self._last_seen:
             self._last_seen[rank] = time.monotonic()
+        if isinstance(msg, Heartbeat) and msg.stage_busy is not None:
+            self.stage_busy_s[msg.stage_busy.stage] = msg.stage_busy.busy_s
         return msg
 
     def send_plan(self, plan: StepPlan | Shutdown) -> None:
@@ -342,6 +348,8 @@ class WorkerChannel:
     ``on_engine_lost`` (optional) is called once, from the heartbeat thread, when the engine
     has been silent for ``liveness_timeout_s``; a worker blocked in a collective can use it to
     exit (e.g. ``os._exit``). ``engine_alive()`` reports the same condition to a polling loop.
+    ``busy_s`` (optional; a stage's TP rank 0) is called from the heartbeat thread for the
+    stage's busy seconds so far, which every heartbeat then carries.
     """
 
     def __init__(
@@ -356,6 +364,7 @@ class WorkerChannel:
         result_endpoint: str,
         on_engine_lost: Callable[[], None] | None = None,
         num_kv_blocks: int = 0,
+        busy_s: Callable[[], float] | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -367,6 +376,7 @@ class WorkerChannel:
         self.result_endpoint = result_endpoint
         self.session: str | None = None
         self._on_engine_lost = on_engine_lost
+        self._busy_s = busy_s
         self._ctx = zmq.Context()
         self._sub = _make_socket(self._ctx, zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, _PLAN_TOPIC)
@@ -468,8 +478,11 @@ class WorkerChannel:
                 self._on_engine_lost()
 
     def _beat(self, push: zmq.Socket) -> None:
+        busy = None
+        if self._busy_s is not None:
+            busy = StageBusy(stage=self.hello.stage, busy_s=self._busy_s())
         try:
-            push.send(encode(Heartbeat(rank=self.rank, t=time.time())), zmq.NOBLOCK)
+            push.send(encode(Heartbeat(rank=self.rank, t=time.time(), stage_busy=busy)), zmq.NOBLOCK)
         except zmq.Again:
             pass  # engine not reading: a queued-up heartbeat would say nothing new
 

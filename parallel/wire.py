@@ -23,8 +23,9 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 1
-"""Bumped on every incompatible change of any message below."""
+WIRE_VERSION = 2
+"""Bumped on every incompatible change of any message below (2: stage busy time on
+``Heartbeat``, cumulative stage counters in ``EngineStats``)."""
 
 ENGINE_RANK = -1
 """``Heartbeat.rank`` of heartbeats that the engine publishes to the workers."""
@@ -138,11 +139,24 @@ class StepResult(_Message, frozen=True, kw_only=True):
             raise ValueError(f"step {self.step_id}: logprobs and request_ids differ in length")
 
 
+class StageBusy(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """How long one pipeline stage has computed so far (its TP rank 0 measures it)."""
+
+    stage: int
+    busy_s: float
+    """Seconds spent computing micro-batches since the worker started, cumulative; on CUDA it
+    trails the device by the steps whose end event has not completed yet."""
+
+
 class Heartbeat(_Message, frozen=True, kw_only=True):
-    """Liveness signal; ``t`` is the sender's ``time.time()`` (informational only)."""
+    """Liveness signal; ``t`` is the sender's ``time.time()`` (informational only).
+
+    A worker of TP rank 0 also reports its stage's busy time, so the engine has a live
+    per-stage figure (``EngineStats.stage_busy_s``) without a message of its own."""
 
     rank: int
     t: float
+    stage_busy: StageBusy | None = None
 
 
 class Shutdown(_Message, frozen=True, kw_only=True):
@@ -233,9 +247,12 @@ class EngineStats(_Message, frozen=True, kw_only=True):
     num_running: int
     num_kv_blocks: int
     num_free_kv_blocks: int
-    stage_busy_fraction: list[float] = []
-    """Per pipeline stage, busy time / wall time while the engine had work, since the
-    previous stats; empty where the engine cannot measure it."""
+    stage_busy_s: list[float] = []
+    """Per pipeline stage, seconds spent computing micro-batches since the engine started
+    (cumulative, as last reported by the stage); empty where the engine cannot measure it."""
+    active_s: float = 0.0
+    """Seconds the engine has had unfinished requests since it started (cumulative): the
+    wall time against which stage busy time gives the bubble fraction, 1 - busy/active."""
     draining: bool = False
     """The engine got SIGTERM: it takes no new requests and exits once the last one ends."""
 

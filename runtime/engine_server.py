@@ -15,8 +15,9 @@ with HTTP, detokenization or stage 0's kernel launches for the GIL.
 
 Streaming requests (``AddRequest.stream``) get one ``StreamDelta`` per step that adds output,
 all deltas of a step in one ``StreamUpdates``; the others one ``RequestUpdate`` at the end.
-With ``--serve`` the engine also publishes ``EngineStats`` (queue, KV, stage busy time)
-every ``PIPESERVE_STATS_INTERVAL_S`` seconds and whenever it goes idle. SIGTERM drains: new
+With ``--serve`` the engine also publishes ``EngineStats`` (queue, KV, and per stage its busy
+seconds beside the engine's active seconds, both cumulative, for the frontend's bubble
+fraction) every ``PIPESERVE_STATS_INTERVAL_S`` seconds and whenever it goes idle. SIGTERM drains: new
 requests are refused, running ones finish, then the process exits 0. The engine exits by
 itself when its parent (the frontend or rank 0) dies.
 """
@@ -109,7 +110,8 @@ class EngineServer:
         self._draining = False
         self._streams: dict[str, _Stream] = {}
         self._parent = os.getppid()
-        self._busy_s = self._active_s = 0.0
+        self._active_s = 0.0  # wall time with unfinished requests, cumulative
+        self._active_since: float | None = None
         self._last_stats = 0.0
 
     def drain(self, *_) -> None:
@@ -117,36 +119,33 @@ class EngineServer:
         self._draining = True
 
     def serve(self) -> None:
-        if self.engine.config.parallel.world_size == 1:
-            self._time_model(self.engine.executor)
         while not self._stop:
-            t0 = time.monotonic()
             busy = self.engine.has_unfinished_requests()
             self._take_messages(timeout_ms=0 if busy else 50)
             if self._stop or os.getppid() != self._parent:
                 break  # told to, or orphaned: nobody is left to read our outputs
             if not self.engine.has_unfinished_requests():
+                self._clock(active=False)
                 if self._draining:
                     break
                 self.engine.executor.idle()
                 self._publish_stats(force=busy)  # just went idle: report the freed KV now
                 continue
+            self._clock(active=True)
             self._send_outputs(self.engine.step())
-            self._active_s += time.monotonic() - t0
             self._publish_stats()
         self._publish_stats(force=True)
 
-    def _time_model(self, executor) -> None:
-        """In one process the model runs inside the executor's submit(): its time is stage 0's
-        busy time (the rest of a busy loop is scheduling, detokenization and messaging)."""
-        submit = executor.submit
+    def _clock(self, *, active: bool) -> None:
+        """Adds the time since the last call to ``_active_s`` if the engine had work then."""
+        now = time.monotonic()
+        if self._active_since is not None:
+            self._active_s += now - self._active_since
+        self._active_since = now if active else None
 
-        def timed_submit(plan, samples) -> None:
-            t0 = time.monotonic()
-            submit(plan, samples)
-            self._busy_s += time.monotonic() - t0
-
-        executor.submit = timed_submit
+    def _active_until(self, now: float) -> float:
+        running = now - self._active_since if self._active_since is not None else 0.0
+        return self._active_s + running
 
     def _take_messages(self, timeout_ms: int) -> None:
         while self.requests.poll(timeout_ms):
@@ -206,17 +205,10 @@ class EngineServer:
             num_waiting=sched.num_waiting, num_running=sched.num_running,
             num_kv_blocks=self.engine.state.num_kv_blocks,
             num_free_kv_blocks=sched.block_manager.num_free_blocks,
-            stage_busy_fraction=self._stage_busy_fraction(), draining=self._draining,
+            stage_busy_s=self.engine.executor.stage_busy_seconds(), active_s=self._active_until(now),
+            draining=self._draining,
         ))
         self._last_stats = now
-        self._busy_s = self._active_s = 0.0
-
-    def _stage_busy_fraction(self) -> list[float]:
-        # Torchrun workers time their own stages but report it only at shutdown, so with
-        # tp × pp > 1 there is nothing measured to say here.
-        if self.engine.config.parallel.world_size != 1 or self._active_s == 0.0:
-            return []
-        return [min(1.0, self._busy_s / self._active_s)]
 
     def _send(self, msg) -> None:
         self.updates.send(encode(msg))
@@ -241,7 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         sock.setsockopt(zmq.LINGER, 1000)
     # The frontend bounds what it has in flight; never block the engine loop on a send.
     updates.setsockopt(zmq.SNDHWM, 0)
-    host = f"tcp://{config.parallel.bind_host}"
+    # Its one client (the frontend, or rank 0 under torchrun) runs on this host: loopback, even
+    # where the workers' sockets face the network (parallel.host across nodes).
+    host = "tcp://127.0.0.1"
     endpoints = {
         "requests": f"{host}:{requests.bind_to_random_port(host)}",
         "updates": f"{host}:{updates.bind_to_random_port(host)}",

@@ -3,6 +3,13 @@
 Engine-side values (queue, KV blocks, stage busy time) arrive in the engine's periodic
 ``EngineStats``; per-request latencies in the ``RequestTimings`` of each request's last
 update (measured by the engine from arrival); token counts as deltas arrive.
+
+Per pipeline stage (label ``stage``): ``pipeserve:stage_busy_seconds_total`` counts the
+seconds the stage computed micro-batches; ``pipeserve:stage_bubble_fraction`` is
+``1 - busy/active`` over the last ``_BUBBLE_WINDOW_S`` seconds during which the engine had
+requests (idle time is not a bubble: the gauge holds its value while the server is idle).
+With tp × pp > 1 each stage's TP rank 0 reports on its heartbeat, so figures trail by up to
+a heartbeat interval (1 s).
 """
 
 from __future__ import annotations
@@ -13,10 +20,12 @@ from collections import deque
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pipeserve.parallel.wire import EngineStats, RequestTimings
+from pipeserve.runtime.metrics import BubbleWindow
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 _RATE_WINDOW_S = 5.0
+_BUBBLE_WINDOW_S = 10.0
 
 
 class ServerMetrics:
@@ -40,7 +49,11 @@ class ServerMetrics:
         self.tokens_per_s = gauge("pipeserve:generation_tokens_per_second",
                                   f"Output tokens per second over the last {_RATE_WINDOW_S:g} s.")
         self._stage_bubble = Gauge("pipeserve:stage_bubble_fraction",
-                                   "Per pipeline stage, 1 - busy/wall while the engine had work.",
+                                   f"Per pipeline stage, 1 - busy/wall over the last {_BUBBLE_WINDOW_S:g} s"
+                                   " during which the engine had requests.", ["model_name", "stage"],
+                                   registry=r)
+        self._stage_busy = Counter("pipeserve:stage_busy_seconds",
+                                   "Per pipeline stage, seconds spent computing micro-batches.",
                                    ["model_name", "stage"], registry=r)
         self.ttft = histogram("pipeserve:time_to_first_token_seconds", "Time to first token.", _LATENCY_BUCKETS)
         self.tbt = histogram("pipeserve:time_per_output_token_seconds", "Time between output tokens.",
@@ -59,6 +72,8 @@ class ServerMetrics:
         self._model_name = model_name
         self._generated = 0
         self._samples: deque[tuple[float, int]] = deque()
+        self._bubbles = BubbleWindow(_BUBBLE_WINDOW_S)
+        self._stage_busy_s: list[float] = []  # as last reported, to turn totals into increments
 
     def on_stats(self, s: EngineStats) -> None:
         used = s.num_kv_blocks - s.num_free_kv_blocks
@@ -67,9 +82,18 @@ class ServerMetrics:
         self.kv_blocks_total.set(s.num_kv_blocks)
         self.kv_blocks_used.set(used)
         self.kv_usage.set(used / s.num_kv_blocks if s.num_kv_blocks else 0.0)
-        for stage, busy in enumerate(s.stage_busy_fraction):
-            self._stage_bubble.labels(self._model_name, str(stage)).set(1.0 - busy)
+        self._update_stages(s.stage_busy_s, s.active_s)
         self._update_rate()
+
+    def _update_stages(self, busy_s: list[float], active_s: float) -> None:
+        last = self._stage_busy_s + [0.0] * (len(busy_s) - len(self._stage_busy_s))
+        for stage, (before, now) in enumerate(zip(last, busy_s)):
+            self._stage_busy.labels(self._model_name, str(stage)).inc(max(0.0, now - before))
+        self._stage_busy_s = [max(a, b) for a, b in zip(last, busy_s)]
+        if busy_s:
+            self._bubbles.add(busy_s, active_s)
+        for stage, bubble in enumerate(self._bubbles.bubble_fractions() or []):
+            self._stage_bubble.labels(self._model_name, str(stage)).set(bubble)
 
     def on_tokens(self, num_tokens: int) -> None:
         self._generated += num_tokens

@@ -268,3 +268,29 @@ def test_endpoints_are_loopback_and_fixed_ports_are_honoured():
         assert fixed.plan_endpoint.endswith(f":{port}")
     finally:
         fixed.close()
+
+
+def test_heartbeats_carry_stage_busy_time():
+    engine = EngineChannel(fast_config(), world_size=2)
+    busy = [0.0]
+    workers = [WorkerChannel(fast_config(), rank=rank, world_size=2, stage=rank, tp_rank=0,
+                             plan_endpoint=engine.plan_endpoint, result_endpoint=engine.result_endpoint,
+                             busy_s=(lambda: busy[0]) if rank == 1 else None)
+               for rank in range(2)]
+    threads = [threading.Thread(target=w.handshake, daemon=True) for w in workers]
+    try:
+        for t in threads:
+            t.start()
+        engine.handshake()
+        for t in threads:
+            t.join(timeout=5)
+        busy[0] = 2.5  # the next heartbeat of stage 1 carries it
+        deadline = time.monotonic() + 5.0
+        while engine.stage_busy_s.get(1) != 2.5:
+            assert time.monotonic() < deadline, engine.stage_busy_s
+            engine.recv(timeout_s=0.05)
+        assert 0 not in engine.stage_busy_s  # a worker without busy_s reports none
+    finally:
+        for w in workers:
+            w.close()
+        engine.close()

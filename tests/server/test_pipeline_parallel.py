@@ -1,12 +1,14 @@
 """`pipeserve serve parallel.pp=2`: the engine starts two torchrun workers (one per stage,
-gloo on CPU) and the HTTP API behaves exactly as in one process; if the engine dies, in-flight
-streams end with an error, the frontend exits 1 and the workers exit too (nothing hangs)."""
+gloo on CPU) and the HTTP API behaves exactly as in one process, /metrics included (live busy
+time and bubble fraction per stage); if the engine dies, in-flight streams end with an error,
+the frontend exits 1 and the workers exit too (nothing hangs)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import time
 
 import openai
 import pytest
@@ -22,6 +24,32 @@ def pp2(tmp_path_factory):
         yield s
     finally:
         s.kill()
+
+
+def check_stage_metrics(server, num_stages: int) -> None:
+    """After load, /metrics has every stage's busy seconds (> 0, growing with more load) and
+    its bubble fraction in [0, 1]; no figure for a stage that does not exist."""
+    stages = range(num_stages)
+    busy = [f"pipeserve:stage_busy_seconds_total[{s}]" for s in stages]
+    bubble = [f"pipeserve:stage_bubble_fraction[{s}]" for s in stages]
+    asyncio.run(run_load(server.url, 4))
+    server.wait_idle(timeout_s=60)
+    time.sleep(2.5)  # the last busy time rides on the stages' next heartbeat (every 1 s)
+    first = server.wait_until(lambda m: all(m.get(k, 0) > 0 for k in busy) and all(k in m for k in bubble),
+                              timeout_s=30)
+    assert all(0.0 <= first[k] <= 1.0 for k in bubble), first
+    assert f"pipeserve:stage_busy_seconds_total[{num_stages}]" not in first
+    asyncio.run(run_load(server.url, 4))
+    server.wait_until(lambda m: all(m[k] > first[k] for k in busy), timeout_s=30)
+    assert all(0.0 <= x <= 1.0 for x in map(server.metrics().get, bubble))
+
+
+def test_one_process_reports_its_stage_live(server):
+    check_stage_metrics(server, 1)
+
+
+def test_pp2_reports_every_stage_live(pp2):
+    check_stage_metrics(pp2, 2)
 
 
 def test_pp2_serves_like_one_process(server, pp2):

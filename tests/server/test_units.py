@@ -1,15 +1,18 @@
-"""The server's pure parts, without a server: request parsing, streamed-text hold-back, flags."""
+"""The server's pure parts, without a server: request parsing, streamed-text hold-back, flags,
+/metrics from engine stats."""
 
 from __future__ import annotations
 
 import pytest
 
 from pipeserve.launch.serve import _flags_to_overrides
+from pipeserve.parallel.wire import EngineStats
 from pipeserve.runtime.api_server import ServerConfig
 from pipeserve.runtime.engine_server import _Stream
 from pipeserve.runtime.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
 from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
 from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.runtime.server_metrics import ServerMetrics
 
 
 def out(text: str, num_tokens: int, finish: str | None = None) -> RequestOutput:
@@ -70,3 +73,26 @@ def test_server_config_validates():
         ServerConfig(port=70000)
     with pytest.raises(ValueError, match="api_key"):
         ServerConfig(api_key="")
+
+
+def test_stage_metrics_from_engine_stats():
+    m = ServerMetrics("m")
+
+    def stats(busy, active):
+        return EngineStats(num_waiting=0, num_running=1, num_kv_blocks=8, num_free_kv_blocks=8,
+                           stage_busy_s=busy, active_s=active)
+
+    def sample(name, stage):
+        line = next(x for x in m.render().decode().splitlines()
+                    if x.startswith(name + "{") and f'stage="{stage}"' in x)
+        return float(line.rsplit(" ", 1)[1])
+
+    m.on_stats(stats([0.0, 0.0], 0.0))
+    assert sample("pipeserve:stage_busy_seconds_total", 1) == 0.0
+    assert "pipeserve:stage_bubble_fraction{" not in m.render().decode()  # no work yet: no figure
+    m.on_stats(stats([1.0, 3.0], 4.0))
+    m.on_stats(stats([2.0, 3.5], 5.0))
+    assert sample("pipeserve:stage_busy_seconds_total", 0) == 2.0
+    assert sample("pipeserve:stage_busy_seconds_total", 1) == 3.5
+    assert sample("pipeserve:stage_bubble_fraction", 0) == pytest.approx(1 - 2.0 / 5.0)
+    assert sample("pipeserve:stage_bubble_fraction", 1) == pytest.approx(1 - 3.5 / 5.0)

@@ -55,6 +55,7 @@ ALL_MESSAGES = [
                logprobs=[{5: -0.1, 9: -2.5}, {6: -0.01}], stage_times=[0.01, 0.02]),
     StepResult(step_id=18, request_ids=[], token_ids=[], error="CUDA OOM on stage 1"),
     Heartbeat(rank=-1, t=1.7e9),
+    Heartbeat(rank=3, t=1.7e9, stage_busy=wire.StageBusy(stage=1, busy_s=12.5)),
     Shutdown(reason="SIGTERM"),
     wire.AddRequest(request_id="r1", prompt_token_ids=[1, 2, 3], prompt="hi",
                     params={"temperature": 0.5, "stop": ["\n"], "seed": 3}),
@@ -90,7 +91,7 @@ def _reencoded(msg, **changes) -> bytes:
 
 
 def test_version_mismatch_raises():
-    with pytest.raises(WireError, match="wire version 2"):
+    with pytest.raises(WireError, match=f"wire version {WIRE_VERSION + 1}"):
         decode(_reencoded(Heartbeat(rank=0, t=1.0), version=WIRE_VERSION + 1))
 
 
