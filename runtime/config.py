@@ -83,6 +83,10 @@ class EngineConfig:
     kernels, or auto (Triton on CUDA, torch elsewhere)."""
     seed: int = 0
     """Seed of the global generator (requests without their own seed draw from it)."""
+    cuda_graph_max_batch: int = 256
+    """Decode-only micro-batches of up to this many sequences replay a CUDA graph captured at
+    start-up (per stage, bucketed by batch size; CUDA with the Triton kernels only); 0 = always
+    run eagerly."""
     record_steps: bool = False
     """Keep a record of every micro-batch (what ran, what else was in flight) for analysis."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -105,6 +109,8 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gb must be > 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.cuda_graph_max_batch < 0:
+            raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

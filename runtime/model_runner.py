@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pipeserve.runtime.batch import StepInputs, to_tensors
+from pipeserve.runtime.cuda_graphs import CudaGraphRunner
 from pipeserve.runtime.model import LlamaForCausalLM
 from pipeserve.runtime.sampler import Sampler, SamplerOutput
 from pipeserve.runtime.sampling_params import SamplingParams
@@ -18,16 +19,22 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         block_size: int,
         device: torch.device,
+        cuda_graphs: CudaGraphRunner | None = None,
     ) -> None:
+        """``cuda_graphs``: captured decode forwards over these ``kv_caches`` (None = eager)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.cuda_graphs = cuda_graphs
         self.sampler = Sampler()
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInputs) -> torch.Tensor:
         """Logits [N, V] (float32) of the last token of every sequence that samples."""
+        if self.cuda_graphs is not None and (g := self.cuda_graphs.prepare(step)) is not None:
+            hidden = self.cuda_graphs.replay(g)  # [S, H], one row per sequence
+            return self.model.compute_logits(hidden[g.sample_indices])
         inputs = to_tensors(step, block_size=self.block_size, device=self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         return self.model.compute_logits(hidden[inputs.sample_indices])
