@@ -1,7 +1,9 @@
 """`pipeserve serve`: the OpenAI-compatible HTTP server as a Hydra app (configs/serve.yaml).
 
 The frontend (this process: HTTP, tokenization, chat templates) starts the engine process,
-which starts tp × pp torchrun workers itself when parallel.tp × parallel.pp > 1.
+which starts tp × pp torchrun workers itself when parallel.tp × parallel.pp > 1. Started under
+torchrun itself (one node or several: launch/slurm/serve_multinode.sbatch), global rank 0 runs
+the frontend in a child process and every rank serves as a worker (launch/multinode.py).
 `--api-key KEY`, `--host H` and `--port P` are accepted as shorthands for `server.*=`.
 """
 
@@ -14,6 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeserve.launch.generate import engine_config
+from pipeserve.runtime import spmd
 from pipeserve.runtime.api_server import ServerConfig, run
 
 _FLAGS = {"--api-key": "server.api_key", "--host": "server.host", "--port": "server.port"}
@@ -25,7 +28,13 @@ def server_config(cfg: DictConfig) -> ServerConfig:
 
 @hydra.main(version_base=None, config_path="../configs", config_name="serve")
 def _app(cfg: DictConfig) -> None:
-    code = run(engine_config(cfg), server_config(cfg))
+    engine_cfg, server_cfg = engine_config(cfg), server_config(cfg)
+    if engine_cfg.parallel.world_size > 1 and spmd.under_torchrun():  # one node or several
+        from pipeserve.launch import multinode
+
+        code = multinode.serve(engine_cfg, server_cfg)
+    else:
+        code = run(engine_cfg, server_cfg)
     if code:
         sys.exit(code)
 

@@ -1,12 +1,14 @@
 """Executors run the engine's micro-batches: in this process, or on torchrun workers.
 
 The engine loop is the same for both: ``submit(plan)`` up to ``max_in_flight`` plans, then
-``result(plan)`` for the oldest. Only token ids (and optional logprobs) come back.
+``result(plan)`` for the oldest. Only token ids (and optional logprobs) come back. Both say how
+long each pipeline stage has computed so far (``stage_busy_seconds``), for /metrics.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import subprocess
@@ -60,8 +62,10 @@ class LocalExecutor:
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self._done: dict[int, Sampled] = {}
+        self._busy_s = 0.0
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
+        t0 = time.perf_counter()
         step = StepInputs.from_scheduler_output(plan)
         ids = [s.request_id for s in plan.scheduled if s.needs_sample]
         reqs = [samples[rid] for rid in ids]
@@ -76,9 +80,15 @@ class LocalExecutor:
         if out.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
         self._done[plan.step_id] = Sampled(dict(zip(ids, out.token_ids.tolist())), logprobs)
+        self._busy_s += time.perf_counter() - t0
 
     def result(self, plan: SchedulerOutput) -> Sampled:
         return self._done.pop(plan.step_id)
+
+    def stage_busy_seconds(self) -> list[float]:
+        """The one stage's compute time so far: submit runs the model and brings the sampled
+        ids to the host, so its host time is the device time with no extra synchronization."""
+        return [self._busy_s]
 
     def free(self, request_id: str) -> None:
         pass
@@ -116,6 +126,7 @@ class DistributedExecutor:
             self.close()
             raise
         self.num_kv_blocks = min(h.num_kv_blocks for h in hellos.values())
+        self.num_stages = max(h.stage for h in hellos.values()) + 1
         self.channel.start_heartbeats()
         atexit.register(self.close)  # never leave workers behind a script that forgot close()
         self._differ = BlockTableDiffer()
@@ -165,6 +176,12 @@ class DistributedExecutor:
         if r.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(r.request_ids, r.logprobs) if lp}
         return Sampled(dict(zip(r.request_ids, r.token_ids)), logprobs)
+
+    def stage_busy_seconds(self) -> list[float]:
+        """Per stage, its compute time so far, as its TP rank 0 last reported it (on every
+        heartbeat: the figures trail by up to ``heartbeat_interval_s``)."""
+        busy = self.channel.stage_busy_s
+        return [busy.get(stage, 0.0) for stage in range(self.num_stages)]
 
     def free(self, request_id: str) -> None:
         """The request is finished (or aborted): workers drop its state with the next plan."""
@@ -257,5 +274,28 @@ def launch_torchrun(world_size: int, env: dict[str, str]):
                f"--nproc-per-node={world_size}", "-m", "pipeserve.runtime.worker"]
         # Own session: the whole worker tree can be signalled (and reaped) as one group.
         return subprocess.Popen(cmd, env=full_env, start_new_session=True)
+
+    return launch
+
+
+SPMD_ENDPOINTS_ENV = "PIPESERVE_SPMD_ENDPOINTS"
+"""Set by global rank 0 of a bench or serve run under torchrun (runtime/spmd.py) for the child
+that holds the engine: the file where that engine writes its worker endpoints."""
+
+
+def launch_spmd_ranks():
+    """A launcher for DistributedExecutor when the workers are torchrun ranks already running
+    (bench and serve under torchrun, one node or several): it starts nothing and writes the
+    endpoints to the file ``PIPESERVE_SPMD_ENDPOINTS`` names, for global rank 0 to hand to
+    every rank. None where that variable is not set."""
+    path = os.environ.get(SPMD_ENDPOINTS_ENV)
+    if not path:
+        return None
+
+    def launch(plan_endpoint: str, result_endpoint: str) -> None:
+        with open(f"{path}.tmp", "w") as f:
+            json.dump({"plan": plan_endpoint, "result": result_endpoint}, f)
+        os.replace(f"{path}.tmp", path)  # the reader never sees half a file
+        return None
 
     return launch

@@ -114,6 +114,8 @@ def jobs(cluster):
         "sweep": cluster.sbatch(TEMPLATES / "sweep.sbatch", "scheduler=sarathi,orca", *bench, env=env, cwd=folder),
         "serve": cluster.sbatch(TEMPLATES / "serve.sbatch", *SMALL, cwd=folder,
                                 env={**env, "PP": "1", "PORT": str(free_port()), "PIPESERVE_API_KEY": API_KEY}),
+        "bench_multinode": cluster.sbatch(TEMPLATES / "bench_multinode.sbatch", *bench, cwd=folder,
+                                          env={**env, "RDZV_PORT": str(free_port())}),
     }
     sweep, sweep_log = None, folder / "submitit-sweep.log"
     if has_submitit():  # the parent of the sweep stays here, as on a login node
@@ -196,20 +198,20 @@ def test_serve_template(cluster, jobs):
     assert info["JobState"] == "COMPLETED", f"{info}\n{output(jobs, 'serve')[-4000:]}"
 
 
-def wait_for_server(cluster, jobs, timeout_s: float = JOB_TIMEOUT_S) -> str:
+def wait_for_server(cluster, jobs, timeout_s: float = JOB_TIMEOUT_S, name: str = "serve") -> str:
     """The URL the template wrote, once /health answers."""
     deadline = time.monotonic() + timeout_s
     url_file = None
     while time.monotonic() < deadline:
-        state = cluster.job(jobs["ids"]["serve"])["JobState"]
-        assert state in ("PENDING", "RUNNING"), f"serve job {state}:\n{output(jobs, 'serve')[-4000:]}"
-        url_file = url_file or next(jobs["folder"].glob(f"runs/*-{jobs['ids']['serve']}/url"), None)
+        state = cluster.job(jobs["ids"][name])["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"{name} job {state}:\n{output(jobs, name)[-4000:]}"
+        url_file = url_file or next(jobs["folder"].glob(f"runs/*-{jobs['ids'][name]}/url"), None)
         if url_file is not None:
             url = url_file.read_text().strip()
             if http(url.removesuffix("/v1") + "/health", key=None)[0] == 200:
                 return url
         time.sleep(0.5)
-    raise AssertionError(f"the server did not come up:\n{output(jobs, 'serve')[-4000:]}")
+    raise AssertionError(f"the server did not come up:\n{output(jobs, name)[-4000:]}")
 
 
 def http(url: str, *, key: str | None, data: dict | None = None) -> tuple[int, str]:
@@ -261,3 +263,62 @@ def check_table(sweep: Path, schedulers: list[str]) -> None:
 
 def cells(markdown_row: str) -> list[str]:
     return [c.strip() for c in markdown_row.strip().strip("|").split("|")]
+
+
+# ---- several nodes: bench and serve under one torchrun per node (run last: the server job holds
+# both nodes until its test cancels it)
+
+
+def test_bench_template_two_nodes(cluster, jobs):
+    info, out = finished(cluster, jobs, "bench_multinode")
+    assert info["NumNodes"] == "2" and info["NodeList"] == "psn[1-2]", info
+    assert "rendezvous psn1:" in out
+    ranks = run_dir(jobs, "bench_multinode")
+    assert sorted(p.name for p in ranks.iterdir()) == ["rank0", "rank1"]
+    result = json.loads((ranks / "rank0" / "result.json").read_text())  # rank 0's bench wrote it
+    assert result["config"]["parallel"]["pp"] == 2 and result["config"]["engine"]["device"] == "cpu"
+    assert result["num_requests"] == 4 and result["workload"]["output_tokens"] == 4 * 6
+    # Both stages' timelines reached rank 0, stage 1's from the other node's torchrun.
+    assert [(s["stage"], s["rank"]) for s in result["stages"]] == [(0, 0), (1, 1)]
+    assert sum(s["num_layers"] for s in result["stages"]) == 2
+    assert all(s["num_steps"] > 0 and s["bubble_fraction"] is not None for s in result["stages"])
+    assert re.search(r"^\d+: pipeserve bench .* tp=1 pp=2", out, re.M), out[-4000:]  # the table
+
+
+@pytest.mark.timeout(600)
+def test_serve_template_two_nodes(cluster, jobs):
+    jobs["ids"]["serve_multinode"] = job_id = cluster.sbatch(
+        TEMPLATES / "serve_multinode.sbatch", *SMALL, cwd=jobs["folder"],
+        env={"PYTHON": sys.executable, "PORT": str(free_port()), "RDZV_PORT": str(free_port()),
+             "PIPESERVE_API_KEY": API_KEY})
+    url = wait_for_server(cluster, jobs, timeout_s=480, name="serve_multinode")
+    assert cluster.job(job_id)["NumNodes"] == "2"
+    assert http(f"{url}/models", key=None)[0] == 401
+    status, body = http(f"{url}/chat/completions", key=API_KEY, data={
+        "model": json.loads(http(f"{url}/models", key=API_KEY)[1])["data"][0]["id"],
+        "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 10, "temperature": 0})
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["message"]["content"] == ANSWER
+    assert "global rank 0" in output(jobs, "serve_multinode")
+    cluster.run("scancel", job_id)  # SIGTERM to every process: the server drains, all exit
+    info = cluster.wait(job_id, 90)
+    assert info["JobState"] == "CANCELLED", info
+    deadline = time.monotonic() + 30
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of job {job_id} outlived it: {left}"
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live (not zombie) processes whose environment names this Slurm job."""
+    tag = f"SLURM_JOB_ID={job_id}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if tag not in (proc / "environ").read_bytes().split(b"\0"):
+                continue
+            if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
