@@ -9,6 +9,9 @@ with random prompt token ids of the trace's lengths and ignore-EOS outputs of it
 lengths. With parallel.tp × parallel.pp > 1 the engine stays in this process and starts the
 workers under torchrun; they write their per-step timelines at shutdown
 (PIPESERVE_STAGE_STATS_DIR), so nothing synchronizes the device while the run is timed.
+Started under torchrun itself (one node or several: launch/slurm/bench_multinode.sbatch),
+global rank 0 runs this harness in a child process and every rank serves as a worker
+(launch/multinode.py).
 
 Writes into the run directory: result.json, trace.json (Chrome/Perfetto), latency_cdf.png,
 stage_timeline.png and steps.json; prints a result table. Under --multirun every point runs
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
+import itertools
 import json
 import os
 import platform
@@ -34,10 +37,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from pipeserve.launch.generate import engine_config
 from pipeserve.runtime import metrics as M
+from pipeserve.runtime import spmd
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine import LLMEngine
+from pipeserve.runtime.prefix_workloads import ideal_cached_fraction
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.runtime.workload import RequestSpec, WorkloadConfig, build_workload, workload_summary
+from pipeserve.scheduler.prefix_cache import PrefixCacheStats
+from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,6 +98,10 @@ class RunData:
     t_end: float
     first_step: int
     end_step: int
+    prefix_cache: PrefixCacheStats
+    """The scheduler's prefix-cache counters over this run only."""
+    output_token_ids: dict[str, list[int]]
+    """Each request's generated tokens (greedy runs compare them)."""
 
 
 # ---- running a workload ----------------------------------------------------------------------
@@ -103,7 +114,9 @@ class Bench:
         config = dataclasses.replace(config, record_steps=True)
         self.stage_dir = stage_dir
         if config.parallel.world_size > 1:
-            self.stage_dir = stage_dir or tempfile.mkdtemp(prefix="pipeserve-stages-")
+            # Under torchrun rank 0 names the folder (launch/multinode.py); else a new one.
+            self.stage_dir = (stage_dir or os.environ.get("PIPESERVE_STAGE_STATS_DIR")
+                              or tempfile.mkdtemp(prefix="pipeserve-stages-"))
             os.environ["PIPESERVE_STAGE_STATS_DIR"] = self.stage_dir  # torchrun passes it on
         self.engine = LLMEngine(config, loaded=loaded)
         self.local_timer = None
@@ -112,6 +125,7 @@ class Bench:
             self.engine.executor = self.local_timer
         self.config = config
         self._seq = 0
+        self._outputs: dict[str, list[int]] = {}  # the current run's generated tokens
 
     @property
     def next_step_id(self) -> int:
@@ -126,7 +140,8 @@ class Bench:
             prompt = min(s.prompt_len, limit - 1)
             output = max(1, min(s.output_len, limit - prompt))
             cut += (prompt, output) != (s.prompt_len, s.output_len)
-            out.append(dataclasses.replace(s, prompt_len=prompt, output_len=output))
+            ids = None if s.prompt_token_ids is None else s.prompt_token_ids[:prompt]
+            out.append(dataclasses.replace(s, prompt_len=prompt, output_len=output, prompt_token_ids=ids))
         return out, cut
 
     def run(self, specs: list[RequestSpec], *, seed: int, prefix: str = "r", progress: bool = False,
@@ -139,10 +154,13 @@ class Bench:
         rng = np.random.default_rng(seed)
         vocab = self.engine.model_config.vocab_size
         # Drawn before the clock starts, so making prompts never delays an arrival.
-        prompts = {s.index: rng.integers(0, vocab, s.prompt_len) for s in specs}
-        pending = deque(sorted(specs, key=lambda s: s.arrival_s))
+        prompts = {s.index: list(s.prompt_token_ids) if s.prompt_token_ids is not None
+                   else rng.integers(0, vocab, s.prompt_len).tolist() for s in specs}
+        pending = deque(self._queue_order(specs, prompts))
         finished: list[M.RequestTimes] = []
+        self._outputs = {}
         first_step = self.next_step_id
+        cache_before = self.engine.scheduler.prefix_cache_stats
         bar = tqdm(total=len(specs), desc=desc, unit="req", disable=not progress, dynamic_ncols=True)
         t0 = time.monotonic()
         while pending or self.engine.has_unfinished_requests():
@@ -159,7 +177,23 @@ class Bench:
         bar.close()
         t_end = max((r.finished for r in finished), default=time.monotonic())
         by_id = {f"{prefix}{s.index}": s for s in specs}
-        return RunData(finished, by_id, t0, t_end, first_step, self.next_step_id)
+        cache = _stats_since(cache_before, self.engine.scheduler.prefix_cache_stats)
+        return RunData(finished, by_id, t0, t_end, first_step, self.next_step_id, cache, self._outputs)
+
+    def _queue_order(self, specs: list[RequestSpec], prompts: dict[int, list[int]]) -> list[RequestSpec]:
+        """Arrival order. With scheduler.prefix_grouping, requests that arrive together (an
+        offline batch) are queued BatchLLM-style, as ``LLM.generate`` queues a batch: shared
+        prefixes together, groups with more decode work first (``scheduler.prefix_tree``)."""
+        ordered = sorted(specs, key=lambda s: s.arrival_s)
+        if not self.config.scheduler.prefix_grouping:
+            return ordered
+        out = []
+        for _, batch in itertools.groupby(ordered, key=lambda s: s.arrival_s):
+            batch = list(batch)
+            groups = group_by_prefix([prompts[s.index] for s in batch], [s.output_len for s in batch],
+                                     block_size=self.config.block_size)
+            out += [batch[i] for i in schedule_order(groups)]
+        return out
 
     def _add_arrivals(self, pending: deque, prompts: dict, prefix: str, t0: float) -> None:
         """Every request whose arrival time has come, stamped with that time (not now: a late
@@ -168,7 +202,7 @@ class Bench:
         while pending and t0 + pending[0].arrival_s <= now:
             spec = pending.popleft()
             params = SamplingParams(temperature=0.0, max_tokens=spec.output_len, ignore_eos=True)
-            self.engine.add_request(f"{prefix}{spec.index}", prompts.pop(spec.index).tolist(), params,
+            self.engine.add_request(f"{prefix}{spec.index}", prompts.pop(spec.index), params,
                                     arrival_time=t0 + spec.arrival_s)
 
     def _step(self) -> list[M.RequestTimes]:
@@ -178,6 +212,7 @@ class Bench:
                 if out.outputs[0].finish_reason == "error":
                     raise RuntimeError(f"request {out.request_id} failed: {out.error}")
                 done.append(M.RequestTimes.of(out))
+                self._outputs[out.request_id] = list(out.outputs[0].token_ids)
         return done
 
     def warm_up(self, num_requests: int) -> None:
@@ -191,7 +226,7 @@ class Bench:
         if self.local_timer is not None:
             return [self.local_timer.timeline]
         timelines = []
-        for path in sorted(glob.glob(os.path.join(self.stage_dir, "stage_rank*.json"))):
+        for path in spmd.stage_timeline_files(self.stage_dir, self.config.parallel.world_size):
             with open(path) as f:
                 timelines.append(M.StageTimeline.from_json(json.load(f)))
         os.environ.pop("PIPESERVE_STAGE_STATS_DIR", None)
@@ -219,6 +254,10 @@ def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, opt
     result["bubble_fraction_loaded_mean"] = _mean(s["bubble_fraction_loaded"] for s in lead)
     result["step_time_cv_mean"] = _mean(s["step_time_cv"] for s in lead)
     result["steps"] = M.step_summary(records, prompt_lens)
+    result["prefill"] = M.prefill_summary(records, prompt_lens, run.prefix_cache)
+    prompts = [s.prompt_token_ids for s in run.specs.values()]
+    if all(p is not None for p in prompts):  # prefix workloads: what an unbounded cache could save
+        result["prefill"]["ideal_saved_fraction"] = ideal_cached_fraction(prompts, block_size=bench.config.block_size)
     result["num_decode_stalls"] = len(M.decode_stalls(records, prompt_lens))
     result["num_preemptions"] = bench.engine.scheduler.num_preemptions
     device = _device_name(bench.engine.state.device)
@@ -231,6 +270,11 @@ def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, opt
     )
     result["device"] = device
     return result
+
+
+def _stats_since(before: PrefixCacheStats, after: PrefixCacheStats) -> PrefixCacheStats:
+    names = [f.name for f in dataclasses.fields(PrefixCacheStats)]
+    return PrefixCacheStats(**{n: getattr(after, n) - getattr(before, n) for n in names})
 
 
 def _mean(values) -> float | None:
@@ -300,6 +344,12 @@ def format_table(result: dict) -> str:
                      f" | {s['idle_s']:.2f} | {_pct(s['bubble_fraction'])} | {_pct(s.get('bubble_fraction_loaded'))}"
                      f" | {_num(s['step_time_cv'])} |")
     eff = r["efficiency"]
+    pre = r["prefill"]
+    ideal = f", ideal {_pct(pre['ideal_saved_fraction'])}" if "ideal_saved_fraction" in pre else ""
+    lines.append(f"prefill tokens {pre['prefill_tokens_requested']} requested,"
+                 f" {pre['prefill_tokens_computed']} computed: {_pct(pre['saved_fraction'])} saved{ideal}"
+                 f" (prefix cache hit rate {_pct(pre['cache_hit_rate'])},"
+                 f" {pre['cache_evictions']} evictions)")
     lines.append(f"prefill {_num(eff['prefill_tflops'])} TFLOP/s (MFU {_pct(eff['prefill_mfu'])}),"
                  f" decode {_num(eff['decode_gb_per_s'])} GB/s (MBU {_pct(eff['decode_mbu'])}),"
                  f" decode stalls {r['num_decode_stalls']}, preemptions {r['num_preemptions']}")
@@ -335,7 +385,8 @@ def search_capacity(bench: Bench, workload: WorkloadConfig, cap: CapacityOptions
     details = []
 
     def probe(rate: float) -> bool:
-        specs, _ = bench.fit(build_workload(workload.with_rate(rate)))
+        vocab_size = bench.engine.model_config.vocab_size
+        specs, _ = bench.fit(build_workload(workload.with_rate(rate), vocab_size=vocab_size))
         run = bench.run(specs, seed=workload.seed, prefix=f"c{len(details)}-", progress=progress,
                         desc=f"capacity {rate:.3g} req/s")
         summary = M.request_summary(run.requests, run.t_end - run.t0)
@@ -366,10 +417,10 @@ def run_bench(cfg: DictConfig, out_dir: str, *, loaded=None) -> dict:
     engine_cfg, workload, options, cap = configs_from(cfg)
     if cfg.dummy_model.shape:
         engine_cfg = _with_dummy_model(engine_cfg, cfg.dummy_model, out_dir)
-    specs = build_workload(workload)
     os.makedirs(out_dir, exist_ok=True)
     bench = Bench(engine_cfg, loaded=loaded)
     try:
+        specs = build_workload(workload, vocab_size=bench.engine.model_config.vocab_size)
         bench.warm_up(options.warmup_requests)
         specs, num_cut = bench.fit(specs)
         run = bench.run(specs, seed=workload.seed, progress=options.progress, desc=f"bench {workload.name}")
@@ -424,6 +475,12 @@ def main(cfg: DictConfig):
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:  # the sweep parent: this point runs in its own process
         return sweep.run_point(hydra_cfg)
+    if spmd.under_torchrun() and cfg.parallel.tp * cfg.parallel.pp > 1:  # one node or several
+        from pipeserve.launch import multinode
+
+        if code := multinode.bench(cfg, hydra_cfg.runtime.output_dir):
+            raise SystemExit(code)
+        return None
     result = run_bench(cfg, hydra_cfg.runtime.output_dir)
     print(format_table(result))
     print(f"\nwrote {hydra_cfg.runtime.output_dir}/" + ", ".join(result["files"].values()))

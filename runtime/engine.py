@@ -18,11 +18,13 @@ import torch
 
 from pipeserve.kernels import kernel_ops
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
+from pipeserve.runtime.cuda_graphs import capture_cuda_graphs
 from pipeserve.runtime.executor import (
     DistributedExecutor,
     LocalExecutor,
     SampleRequest,
     WorkerFailure,
+    launch_spmd_ranks,
     launch_torchrun,
 )
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
@@ -112,7 +114,8 @@ class LLMEngine:
         max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
         if config.parallel.world_size == 1:
             num_blocks = config.num_kv_blocks or _num_kv_blocks(config, model_config, dtype, device)
-            self.executor = LocalExecutor(_local_runner(loaded, config, num_blocks, dtype, device), eos)
+            runner = _local_runner(loaded, config, num_blocks, dtype, device, max_model_len)
+            self.executor = LocalExecutor(runner, eos)
         else:
             self.executor = _distributed_executor(config, launch)
             num_blocks = self.executor.num_kv_blocks
@@ -347,19 +350,24 @@ def _cost_model(config, device: torch.device) -> CostModel | None:
     return CostModel.analytic_default()
 
 
-def _local_runner(loaded: LoadedModel, config: EngineConfig, num_blocks: int, dtype, device) -> ModelRunner:
+def _local_runner(
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, dtype, device, max_model_len: int
+) -> ModelRunner:
     kv_caches = allocate_kv_cache(
         loaded.config, num_layers=loaded.config.num_hidden_layers, num_blocks=num_blocks,
         block_size=config.block_size, dtype=dtype, device=device,
     )
-    return ModelRunner(loaded.model, kv_caches=kv_caches, block_size=config.block_size, device=device)
+    graphs = capture_cuda_graphs(loaded.model, kv_caches, config, max_model_len=max_model_len, device=device)
+    return ModelRunner(loaded.model, kv_caches=kv_caches, block_size=config.block_size, device=device,
+                       cuda_graphs=graphs)
 
 
 def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
     par = config.parallel
     if launch is None:
         env = {"PIPESERVE_ENGINE_CONFIG": json.dumps(engine_config_to_dict(config))}
-        launch = launch_torchrun(par.world_size, env)
+        # Under torchrun (bench/serve, runtime/spmd.py) the ranks are the workers already.
+        launch = launch_spmd_ranks() or launch_torchrun(par.world_size, env)
     return DistributedExecutor(
         world_size=par.world_size, depth=par.depth, host=par.bind_host,
         liveness_timeout_s=par.liveness_timeout_s, launch=launch,

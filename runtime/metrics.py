@@ -1,5 +1,6 @@
 """Benchmark metrics: per-request latencies, per-stage busy/wait/idle times, MFU/MBU, the
-capacity search, decode-stall checks, Chrome/Perfetto traces and plots.
+capacity search, decode-stall checks, Chrome/Perfetto traces and plots; and the live
+per-stage bubble window that the server's /metrics export.
 
 Everything here works on plain records gathered during a run (RequestMetrics, StepRecord,
 worker stage timelines); nothing touches the device. matplotlib is imported only to plot.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -237,6 +239,44 @@ def stage_busy_by_step(timelines: Sequence[StageTimeline], tp: int = 1) -> dict[
     return out
 
 
+class BubbleWindow:
+    """Live per-stage bubble fraction, ``1 - Δbusy/Δactive`` over the last ``window_s`` seconds
+    of *active* time (time the engine had unfinished requests), from cumulative counters.
+
+    Idle time is not a bubble: while the engine is idle the window does not move, so the
+    figure holds that of the latest work (and is None before any). Busy figures may arrive
+    after the active time they belong to (workers report on their heartbeat); a sample whose
+    active time did not advance replaces the previous one, so the late busy time still counts
+    and an idle server adds no samples. The deque holds about ``window_s`` / stats interval."""
+
+    def __init__(self, window_s: float = 10.0) -> None:
+        if window_s <= 0:
+            raise ValueError(f"window_s must be > 0, got {window_s}")
+        self.window_s = window_s
+        self._samples: deque[tuple[float, tuple[float, ...]]] = deque()  # (active_s, busy_s per stage)
+
+    def add(self, busy_s: Sequence[float], active_s: float) -> None:
+        """One reading of the cumulative counters (per-stage busy seconds, engine active seconds)."""
+        busy = tuple(busy_s)
+        if self._samples and len(self._samples[-1][1]) != len(busy):
+            self._samples.clear()  # another pipeline: the old counters say nothing about it
+        if self._samples and active_s <= self._samples[-1][0]:
+            self._samples[-1] = (self._samples[-1][0], busy)
+        else:
+            self._samples.append((active_s, busy))
+        # Keep one sample at or before the window's start as the baseline.
+        while len(self._samples) > 2 and active_s - self._samples[1][0] >= self.window_s:
+            self._samples.popleft()
+
+    def bubble_fractions(self) -> list[float] | None:
+        """Per stage, in [0, 1]; None until the window holds some active time."""
+        if len(self._samples) < 2:
+            return None
+        (a0, b0), (a1, b1) = self._samples[0], self._samples[-1]
+        active = a1 - a0
+        return [min(1.0, max(0.0, 1.0 - (y - x) / active)) for x, y in zip(b0, b1)]
+
+
 # ---- steps, stalls ------------------------------------------------------------------------------
 
 
@@ -259,6 +299,24 @@ def step_summary(records: Sequence, prompt_lens: Mapping[str, int]) -> dict:
 def _prefill_tokens(record, prompt_lens: Mapping[str, int]) -> int:
     """Tokens of prompt chunks in a step (a recomputation after preemption counts too)."""
     return sum(n for rid, start, n, _ in record.seqs if start < prompt_lens.get(rid, 0) or n > 1)
+
+
+def prefill_summary(records: Sequence, prompt_lens: Mapping[str, int], cache) -> dict:
+    """Prefill work the prompts asked for against what the steps computed (StepRecords), and
+    the prefix cache's counters over the run (``scheduler.PrefixCacheStats``): what prefix
+    caching and grouping save. A recomputation after preemption counts as computed, so the
+    saved fraction can fall below the cache hit rate (or below 0)."""
+    requested = sum(prompt_lens.values())
+    computed = sum(_prefill_tokens(r, prompt_lens) for r in records)
+    return {
+        "prefill_tokens_requested": requested,
+        "prefill_tokens_computed": computed,
+        "saved_fraction": 1.0 - computed / requested if requested else 0.0,
+        "cache_hit_tokens": cache.num_cached_prompt_tokens,
+        "cache_hit_rate": cache.prompt_hit_rate,
+        "cache_hit_tokens_with_restarts": cache.num_cached_tokens,
+        "cache_evictions": cache.num_evictions,
+    }
 
 
 def decode_stalls(records: Sequence, prompt_lens: Mapping[str, int]) -> list[tuple[int, str]]:

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 import traceback
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,9 @@ from pipeserve.parallel.context import ParallelContext, build_parallel_context
 from pipeserve.parallel.stage_plan import default_costs, plan_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import BlockTableMirror, Shutdown, StepPlan, StepResult, WorkerError
-from pipeserve.runtime.batch import StepInputs, to_tensors
+from pipeserve.runtime.batch import ModelInputs, StepInputs, to_tensors
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
+from pipeserve.runtime.cuda_graphs import GraphStep, capture_cuda_graphs
 from pipeserve.runtime.executor import spec_to_params
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from pipeserve.runtime.loader import load_model, read_config_and_tokenizer
@@ -59,14 +61,18 @@ class Worker:
             block_size=config.block_size, dtype=self.dtype, device=device,
             num_kv_heads=self.model.num_local_kv_heads,
         )
+        # Every TP rank of the stage captures the same buckets in the same order (NCCL inside).
+        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.cuda_graphs = capture_cuda_graphs(self.model, self.kv_caches, config,
+                                               max_model_len=max_model_len, device=device)
         self.mirror = BlockTableMirror()
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}
         self._params: dict[str, tuple[object, object]] = {}  # rid -> (spec, SamplingParams)
         self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
-        # Only when asked (benchmarks): the spans grow with every step.
+        # The busy total is always kept (/metrics); per-step spans only when asked (benchmarks).
         stats = os.environ.get("PIPESERVE_STAGE_STATS") or os.environ.get("PIPESERVE_STAGE_STATS_DIR")
-        self.busy = BusyTimer(device, enabled=bool(stats))
+        self.busy = BusyTimer(device, record=bool(stats))
 
     def _agree_on_kv_blocks(self) -> int:
         """Every stage holds the same number of blocks: the fewest any rank can afford."""
@@ -102,14 +108,13 @@ class Worker:
             needs_sample=[s.needs_sample for s in plan.seqs],
         )
         t0 = time.perf_counter()
-        inputs = to_tensors(step, block_size=self.config.block_size, device=self.device)
+        inputs = self._prepare(step)
         hidden_in = None
         if not self.ctx.is_first_stage:
             self.busy.begin_recv()
             hidden_in = self._recv(step.num_tokens)
         self.busy.begin()
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                            hidden_states=hidden_in)
+        hidden = self._forward(inputs, hidden_in)
         if not self.ctx.is_last_stage:
             self.busy.end(plan.step_id)
             self._send(hidden)
@@ -119,6 +124,22 @@ class Worker:
         if not self.ctx.is_driver:
             return None
         return self._sample(plan, logits, time.perf_counter() - t0)
+
+    def _prepare(self, step: StepInputs) -> GraphStep | ModelInputs:
+        """Host-side inputs: a padded graph step for a decode-only batch that fits a captured
+        bucket, else the packed tensors of an eager forward."""
+        if self.cuda_graphs is not None and (g := self.cuda_graphs.prepare(step)) is not None:
+            return g
+        return to_tensors(step, block_size=self.config.block_size, device=self.device)
+
+    def _forward(self, inputs: GraphStep | ModelInputs, hidden_in: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(inputs, GraphStep):
+            hidden = self.cuda_graphs.replay(inputs, hidden_in)
+            # The graph's output buffer is rewritten by the next replay while an isend (on
+            # NCCL's stream) may still read it: send a copy.
+            return hidden if self.ctx.is_last_stage else hidden.clone()
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                          hidden_states=hidden_in)
 
     def _recv(self, num_tokens: int) -> torch.Tensor:
         # The shape comes from the plan: no shape message travels.
@@ -177,6 +198,7 @@ class Worker:
             if msg is None:
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
+                self.busy.poll()  # idle: the last steps' busy time reaches the heartbeat
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
                 self.wait_sends()
@@ -193,24 +215,37 @@ class Worker:
 
 class BusyTimer:
     """Compute time of this rank's micro-batches (after the input arrived, until the output is
-    ready), from CUDA events read only at the end: no synchronize on the hot path.
+    ready), with no synchronize on the hot path.
 
-    Each span also keeps when the rank began waiting for its input (``begin_recv``) and the
-    step id, so ``timeline`` can give per-step (recv wait, compute) times on the host clock
-    (time.monotonic, shared by every process of a host)."""
+    ``busy_s`` (always kept) is the running total, which the heartbeat thread reports for
+    /metrics: on CPU the host time of each step; on CUDA a pair of events per step, added once
+    the end event has completed (``poll``, non-blocking), so the total trails the device by the
+    steps still queued. Only aggregates stay, so a long-running server does not grow.
 
-    def __init__(self, device: torch.device, *, enabled: bool) -> None:
-        self.enabled = enabled
+    With ``record`` (benchmarks) every span is kept too, with the step id and when the rank
+    began waiting for its input (``begin_recv``), so ``timeline`` can give per-step (recv
+    wait, compute) times on the host clock (time.monotonic, shared by every process of a host).
+    That list grows with every step."""
+
+    _MAX_PENDING = 64
+    """Unread CUDA steps before ``poll`` waits for the oldest (which ended long ago)."""
+
+    def __init__(self, device: torch.device, *, record: bool) -> None:
+        self.record = record
         self.cuda = device.type == "cuda"
-        self.spans: list = []  # (start, end) marks
-        self.steps: list[tuple[int, object]] = []  # (step id, recv-start mark) per span
+        self.busy_s = 0.0
+        self.num_steps = 0
+        self._pending: deque = deque()  # CUDA: (start, end) events not yet in busy_s
+        self.spans: list = []  # record: (start, end) marks
+        self.steps: list[tuple[int, object]] = []  # record: (step id, recv-start mark) per span
         self._start = None
         self._recv_start = None
-        self._ref = None  # CUDA: (event, host time) of one synchronized instant
+        self._ref = None  # CUDA record: (event, host time) of one synchronized instant
 
     def _mark(self):
         if self.cuda:
-            if self._ref is None:  # once, before the first step: anchors events to the host clock
+            if self.record and self._ref is None:  # once, before the first step: anchors the
+                # events to the host clock for timeline()
                 torch.cuda.synchronize()
                 ref = torch.cuda.Event(enable_timing=True)
                 ref.record()
@@ -222,18 +257,35 @@ class BusyTimer:
         return time.monotonic()
 
     def begin_recv(self) -> None:
-        if self.enabled:
+        if self.record:
             self._recv_start = self._mark()
 
     def begin(self) -> None:
-        if self.enabled:
-            self._start = self._mark()
+        self._start = self._mark()
 
     def end(self, step_id: int = -1) -> None:
-        if self.enabled:
-            self.spans.append((self._start, self._mark()))
+        span = (self._start, self._mark())
+        self.num_steps += 1
+        if self.cuda:
+            self._pending.append(span)
+            self.poll()
+        else:
+            self.busy_s += span[1] - span[0]
+        if self.record:
+            self.spans.append(span)
             self.steps.append((step_id, self._recv_start if self._recv_start is not None else self._start))
             self._recv_start = None
+
+    def poll(self) -> None:
+        """CUDA: adds the steps whose end event has completed to ``busy_s``."""
+        while self._pending:
+            start, end = self._pending[0]
+            if len(self._pending) > self._MAX_PENDING:
+                end.synchronize()
+            elif not end.query():
+                return
+            self._pending.popleft()
+            self.busy_s += start.elapsed_time(end) / 1e3
 
     def timeline(self) -> list[list[float]]:
         """[step id, recv start, compute start, compute end] per micro-batch, host seconds."""
@@ -247,7 +299,7 @@ class BusyTimer:
                 for (step, recv), (a, b) in zip(self.steps, self.spans)]
 
     def summary(self) -> dict:
-        """busy_s: summed compute; wall_s: first start to last end; busy_fraction."""
+        """Record mode: busy_s: summed compute; wall_s: first start to last end; busy_fraction."""
         if not self.spans:
             return {"busy_s": 0.0, "wall_s": 0.0, "busy_fraction": 0.0, "num_steps": 0}
         if self.cuda:
@@ -288,6 +340,8 @@ def main() -> None:
             # A worker blocked in a collective cannot poll: leave from the heartbeat thread.
             on_engine_lost=lambda: os._exit(EXIT_ENGINE_LOST),
             num_kv_blocks=worker.num_kv_blocks,
+            # Each stage's TP rank 0 reports the stage's busy time on its heartbeats.
+            busy_s=(lambda: worker.busy.busy_s) if ctx.tp_rank == 0 else None,
         )
         channel.handshake()
         worker.serve(channel)

@@ -1,0 +1,107 @@
+"""Single-step targets of the GPU fast path, on this card: prefill MFU with 2048-token chunks,
+and a decode-only step at batch 64 against the weight-read floor.
+
+- MFU = matmul FLOPs of the micro-batch (``ModelShape.flops``) / step time / the card's dense
+  bf16 peak. Chunks of 2048 tokens over cached prefixes of 0 and 2048 tokens.
+- Decode floor = bytes a decode step must read (every weight once + the batch's KV,
+  ``ModelShape.bytes_moved``) / the measured device-to-device copy bandwidth (bytes read and
+  written, 2 GiB buffers). Target: the step within 1.25× of it.
+
+Each step goes through the engine's ModelRunner (forward, logits, greedy sampling) exactly as
+serving runs it, CUDA graphs included; the fastest of ``--repeats`` timed runs counts.
+
+    python -m pipeserve.launch.roofline --tokenizer gpt2_tokenizer.json [--out roofline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import torch
+
+from pipeserve.kernels import kernel_ops
+from pipeserve.launch.bench_peers import write_model_folder
+from pipeserve.launch.profile import Profiler
+from pipeserve.runtime import metrics as M
+from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.cuda_graphs import capture_cuda_graphs
+from pipeserve.runtime.kv_cache import allocate_kv_cache
+from pipeserve.runtime.loader import load_model
+from pipeserve.runtime.model_runner import ModelRunner
+from pipeserve.scheduler.cost_model import attention_work
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) -> float:
+    """Device-to-device copy, bytes read + written per second (the copy's roofline)."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n * 2 * repeats / (start.elapsed_time(end) / 1e3)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--shape", default="llama3-8b")
+    p.add_argument("--num-layers", type=int, default=32)
+    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    folder = tempfile.mkdtemp(prefix="roofline-")
+    write_model_folder(folder, args.tokenizer, num_layers=args.num_layers, with_weights=False, shape=args.shape)
+    loaded = load_model(folder, dtype=dtype, device=device, load_format="dummy")
+    loaded.model.set_ops(kernel_ops(args.kernel_backend, device))
+    cfg = loaded.config
+    shape = M.ModelShape.of(cfg, dtype.itemsize)
+    peak_tflops, _ = M.card_peaks(torch.cuda.get_device_name())
+    cases = {"prefill 2048 (prefix 0)": [(0, 2048)], "prefill 2048 (prefix 2048)": [(2048, 2048)],
+             "decode 64 × ctx 512": [(511, 1)] * 64, "decode 64 × ctx 2048": [(2047, 1)] * 64}
+    blocks = sum(-(-(pre + q) // args.block_size) for seqs in cases.values() for pre, q in seqs)
+    kv = allocate_kv_cache(cfg, num_layers=cfg.num_hidden_layers, num_blocks=blocks,
+                           block_size=args.block_size, dtype=dtype, device=device)
+    engine = EngineConfig(block_size=args.block_size)  # default scheduler: graphs up to its batch limit
+    graphs = capture_cuda_graphs(loaded.model, kv, engine, max_model_len=4096, device=device)
+    runner = ModelRunner(loaded.model, kv_caches=kv, block_size=args.block_size, device=device, cuda_graphs=graphs)
+    profiler = Profiler(runner, block_size=args.block_size, vocab_size=cfg.vocab_size, device=device)
+    bandwidth = copy_bandwidth(device)
+    rows = {}
+    for name, seqs in cases.items():
+        t = profiler.time(seqs, args.repeats)
+        tokens = sum(q for _, q in seqs)
+        work = sum(attention_work(pre, q) for pre, q in seqs)
+        row = {"seconds": t, "tokens": tokens}
+        if name.startswith("prefill"):
+            flops = shape.flops(tokens, work, len(seqs))
+            row.update(tflops=flops / t / 1e12, mfu=flops / t / 1e12 / peak_tflops if peak_tflops else None)
+        else:
+            floor = shape.bytes_moved(sum(pre + q for pre, q in seqs)) / bandwidth
+            row.update(floor_seconds=floor, ratio_to_floor=t / floor)
+        rows[name] = row
+    card = torch.cuda.get_device_name()
+    print(f"card {card}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; peak {peak_tflops} TFLOP/s; "
+          f"kernels {loaded.model.ops.name}; graphs {graphs is not None}")
+    print("| step | ms | TFLOP/s | MFU | floor ms | ÷ floor |\n|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
+        print(f"| {name} | {r['seconds'] * 1e3:.2f} | {r.get('tflops', 0):.0f} | {mfu} | "
+              f"{r.get('floor_seconds', 0) * 1e3:.2f} | {r.get('ratio_to_floor', 0):.2f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"card": card, "copy_bandwidth_Bps": bandwidth, "peak_tflops": peak_tflops,
+                       "kernels": loaded.model.ops.name, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
