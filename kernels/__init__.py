@@ -15,6 +15,7 @@ CUDA when it imports, torch elsewhere).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,15 +36,15 @@ class KernelOps:
 
 def torch_ops() -> KernelOps:
     """The plain-torch references (what CPU runs and the transformers parity tests use)."""
-    from pipeserve.runtime import attention, model
+    from pipeserve.kernels import reference
 
     return KernelOps(
         name="torch",
-        add_rms_norm=model.add_rms_norm_reference,
-        rope=model.rope_reference,
-        silu_mul=model.silu_mul_reference,
-        write_kv=attention.write_kv,
-        paged_attention=attention.paged_attention,
+        add_rms_norm=reference.add_rms_norm_reference,
+        rope=reference.rope_reference,
+        silu_mul=reference.silu_mul_reference,
+        write_kv=reference.write_kv,
+        paged_attention=reference.paged_attention,
     )
 
 
@@ -76,4 +77,6 @@ def kernel_ops(backend: str, device: torch.device) -> KernelOps:
             return triton_ops()
         except ImportError:  # no triton on this machine
             return torch_ops()
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"kernel_backend=triton needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
     return triton_ops()

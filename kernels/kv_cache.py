@@ -1,6 +1,6 @@
 """KV-cache write: store each new token's K and V rows at its flat cache slot (Triton).
 
-The torch reference is ``pipeserve.runtime.attention.write_kv``. One program per token copies
+The torch reference is ``pipeserve.kernels.reference.write_kv``. One program per token copies
 its ``[kvh, d]`` K and V rows (any strides, so the views of a fused qkv split need no copy) to
 ``kv_cache[0|1].view(-1, kvh, d)[slot]``, casting to the cache dtype. A negative slot means
 "padding row, store nothing" (the CUDA-graph runner pads decode batches with slot -1).

@@ -1,6 +1,6 @@
 """Paged attention over a packed mixed batch, in one Triton launch (flash-attention style).
 
-Semantics are those of the torch reference ``pipeserve.runtime.attention.paged_attention``:
+Semantics are those of the torch reference ``pipeserve.kernels.reference.paged_attention``:
 sequence i's ``q_len`` queries are the last q_len of its ``seq_len`` positions (query j sits
 at ``seq_len - q_len + j``, causal, bottom-right aligned), and query head h reads KV head
 ``h // g`` with ``g = num_heads // num_kv_heads``.
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pipeserve.runtime.attention_metadata import AttentionMetadata
+from pipeserve.kernels.attention_metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 

@@ -1,8 +1,7 @@
 """Fused residual add + RMSNorm over token rows (a program normalizes one or more rows).
 
-Torch reference: ``pipeserve.runtime.model.add_rms_norm_reference`` (not imported: imports
-flow runtime -> kernels). Rounds where it does (HF Llama's order): ``x + residual`` in the
-activation dtype, the norm in float32, the normed row cast to the activation dtype, then
+Torch reference: ``pipeserve.kernels.reference.add_rms_norm_reference``. Rounds where it does
+(HF Llama's order): ``x + residual`` in the activation dtype, the norm in float32, the normed row cast to the activation dtype, then
 times the weight, rounded again. Only the sum of squares accumulates in another order, so
 results agree to an ulp.
 """

@@ -1,7 +1,6 @@
 """RoPE (NeoX / rotate-half layout) on queries and keys in place, one launch for both.
 
-Torch reference: ``pipeserve.runtime.model.rope_reference`` (not imported: imports flow
-runtime -> kernels). Dimension i pairs with i + d/2:
+Torch reference: ``pipeserve.kernels.reference.rope_reference``. Dimension i pairs with i + d/2:
 
     out[:half] = x[:half] * cos[:half] - x[half:] * sin[:half]
     out[half:] = x[half:] * cos[half:] + x[:half] * sin[half:]

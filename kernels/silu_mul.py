@@ -1,8 +1,8 @@
 """SwiGLU's activation: silu(gate) * up for gate_up = [gate | up], [T, 2I] -> [T, I].
 
-Torch reference: ``pipeserve.runtime.model.silu_mul_reference`` (not imported: imports flow
-runtime -> kernels). Rounds where it does: silu in float32, rounded to the activation dtype
-(as ``F.silu`` does), then times ``up``, rounded again.
+Torch reference: ``pipeserve.kernels.reference.silu_mul_reference``. Rounds where it does:
+silu in float32, rounded to the activation dtype (as ``F.silu`` does), then times ``up``,
+rounded again.
 """
 
 from __future__ import annotations

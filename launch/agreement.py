@@ -58,7 +58,7 @@ def run_layout(model: str, layout: str, args) -> dict:
 
 def compare(base: dict, other: dict) -> dict:
     """Agreement of `other` with `base` (see the module docstring)."""
-    same, margins, prefix_dev = 0, [], []
+    same, margins, prefix_dev, bounds_only, length_only = 0, [], [], 0, 0
     for bt, ot, blp, olp in zip(base["tokens"], other["tokens"], base["logprobs"], other["logprobs"]):
         if bt == ot:
             same += 1
@@ -67,14 +67,19 @@ def compare(base: dict, other: dict) -> dict:
         prefix_dev.append(max(dev, default=0.0))
         if bt != ot and n < min(len(bt), len(ot)):
             lp = blp[n]
-            # The layout's token outside the base's top-k: its margin is at least the gap to the k-th.
+            # The layout's token outside the base's top-k: the gap to the k-th is a lower bound.
+            bounds_only += str(ot[n]) not in lp
             other_lp = lp.get(str(ot[n]), min(lp.values()))
             margins.append(lp[str(bt[n])] - other_lp)
+        elif bt != ot:
+            length_only += 1  # one output stops earlier (EOS or a stop string), same tokens before
     num = len(base["tokens"])
     return {
         "num_prompts": num,
         "same_greedy_fraction": same / num,
         "divergence_margins": sorted(margins),
+        "margins_that_are_lower_bounds": bounds_only,
+        "length_only_divergences": length_only,
         "max_prefix_logprob_deviation": max(prefix_dev, default=0.0),
         "median_prefix_logprob_deviation": sorted(prefix_dev)[num // 2] if prefix_dev else 0.0,
     }

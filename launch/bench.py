@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import itertools
 import json
+import math
 import os
 import platform
 import subprocess
@@ -81,11 +82,24 @@ class CapacityOptions:
     """Stop when the bracket is within this fraction of its upper end."""
     max_probes: int = 12
     num_requests: int | None = None
-    """Requests per probe; None = workload.num_requests."""
+    """Requests per probe (at least); None = workload.num_requests."""
+    probe_duration_s: float | None = None
+    """Give each probe at least rate × this many requests, so that arrivals last this long: a
+    short burst ends before an overloaded engine's queue has grown, and then passes the
+    scheduling-delay SLO at any rate. None = exactly num_requests."""
 
     def __post_init__(self) -> None:
         if self.tbt_p99_slo_s <= 0 or self.scheduling_delay_p50_slo_s <= 0 or self.rel_tol <= 0:
             raise ValueError("capacity SLOs and rel_tol must be > 0")
+        if self.probe_duration_s is not None and self.probe_duration_s <= 0:
+            raise ValueError("capacity.probe_duration_s must be > 0")
+
+    def requests_per_probe(self, rate: float, default: int) -> int:
+        """How many requests a probe at ``rate`` req/s runs."""
+        base = self.num_requests or default
+        if self.probe_duration_s is None:
+            return base
+        return max(base, math.ceil(rate * self.probe_duration_s))
 
 
 @dataclass(slots=True)
@@ -375,8 +389,6 @@ def search_capacity(bench: Bench, workload: WorkloadConfig, cap: CapacityOptions
     """Binary search on the arrival rate (each probe a fresh run of the workload on this engine)."""
     if workload.arrival == "offline":
         raise ValueError("capacity search needs arrivals at a rate (poisson, gamma or trace), not offline")
-    if cap.num_requests:
-        workload = dataclasses.replace(workload, num_requests=cap.num_requests)
     start = cap.start_rate or workload.rate
     if start is None:
         from pipeserve.runtime.workload import natural_rate
@@ -386,12 +398,14 @@ def search_capacity(bench: Bench, workload: WorkloadConfig, cap: CapacityOptions
 
     def probe(rate: float) -> bool:
         vocab_size = bench.engine.model_config.vocab_size
-        specs, _ = bench.fit(build_workload(workload.with_rate(rate), vocab_size=vocab_size))
+        n = cap.requests_per_probe(rate, workload.num_requests)
+        probe_workload = dataclasses.replace(workload.with_rate(rate), num_requests=n)
+        specs, _ = bench.fit(build_workload(probe_workload, vocab_size=vocab_size))
         run = bench.run(specs, seed=workload.seed, prefix=f"c{len(details)}-", progress=progress,
                         desc=f"capacity {rate:.3g} req/s")
         summary = M.request_summary(run.requests, run.t_end - run.t0)
         ok = M.meets_slo(summary, tbt_p99_s=cap.tbt_p99_slo_s, scheduling_delay_p50_s=cap.scheduling_delay_p50_slo_s)
-        details.append({"rate": rate, "meets_slo": ok, "tbt_p99_s": summary["tbt_s"]["p99"],
+        details.append({"rate": rate, "num_requests": n, "meets_slo": ok, "tbt_p99_s": summary["tbt_s"]["p99"],
                         "scheduling_delay_p50_s": summary["scheduling_delay_s"]["p50"],
                         "throughput_rps": summary["throughput"]["requests_per_s"]})
         return ok
@@ -399,7 +413,8 @@ def search_capacity(bench: Bench, workload: WorkloadConfig, cap: CapacityOptions
     found = M.find_capacity(probe, start_rate=start, rel_tol=cap.rel_tol, max_probes=cap.max_probes)
     return {"capacity_rps": found.capacity, "converged": found.converged, "probes": details,
             "tbt_p99_slo_s": cap.tbt_p99_slo_s, "scheduling_delay_p50_slo_s": cap.scheduling_delay_p50_slo_s,
-            "num_requests_per_probe": workload.num_requests}
+            "num_requests_per_probe": cap.num_requests or workload.num_requests,
+            "probe_duration_s": cap.probe_duration_s}
 
 
 # ---- the app ----------------------------------------------------------------------------------

@@ -59,9 +59,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    folder = tempfile.mkdtemp(prefix="roofline-")
-    write_model_folder(folder, args.tokenizer, num_layers=args.num_layers, with_weights=False, shape=args.shape)
-    loaded = load_model(folder, dtype=dtype, device=device, load_format="dummy")
+    with tempfile.TemporaryDirectory(prefix="roofline-") as folder:  # a config-only folder
+        write_model_folder(folder, args.tokenizer, num_layers=args.num_layers, with_weights=False,
+                           shape=args.shape)
+        loaded = load_model(folder, dtype=dtype, device=device, load_format="dummy")
     loaded.model.set_ops(kernel_ops(args.kernel_backend, device))
     cfg = loaded.config
     shape = M.ModelShape.of(cfg, dtype.itemsize)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeserve.runtime.attention_metadata import AttentionMetadata
+from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.scheduler import SchedulerOutput
 
 

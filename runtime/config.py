@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeserve.kernels import BACKENDS as KERNEL_BACKENDS
 from pipeserve.scheduler import SchedulerConfig
 
 _DTYPES = {
@@ -87,6 +88,9 @@ class EngineConfig:
     """Decode-only micro-batches of up to this many sequences replay a CUDA graph captured at
     start-up (per stage, bucketed by batch size; CUDA with the Triton kernels only); 0 = always
     run eagerly."""
+    cuda_graphs_in_workers: bool = False
+    """Capture in tp/pp workers too. Off by default: captured NCCL all-reduces and replays
+    between pipeline sends have not been verified on GPUs yet (single-process runs capture)."""
     record_steps: bool = False
     """Keep a record of every micro-batch (what ran, what else was in flight) for analysis."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -97,8 +101,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
-        if self.kernel_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"kernel_backend must be auto, torch or triton, got {self.kernel_backend!r}")
+        if self.kernel_backend not in KERNEL_BACKENDS:
+            raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

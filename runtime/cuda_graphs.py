@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from pipeserve.runtime.attention_metadata import AttentionMetadata
+from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.runtime.batch import StepInputs
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.model import LlamaForCausalLM

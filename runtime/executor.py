@@ -86,8 +86,9 @@ class LocalExecutor:
         return self._done.pop(plan.step_id)
 
     def stage_busy_seconds(self) -> list[float]:
-        """The one stage's compute time so far: submit runs the model and brings the sampled
-        ids to the host, so its host time is the device time with no extra synchronization."""
+        """The one stage's busy time so far: the time inside submit (input preparation, the
+        forward, sampling, and bringing the sampled ids to the host, which waits for the device
+        with no extra synchronization). Host work between steps is not in it."""
         return [self._busy_s]
 
     def free(self, request_id: str) -> None:

@@ -26,10 +26,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pipeserve.kernels import KernelOps, torch_ops
+from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.parallel.tp_layers import (
     MergedColumnParallelLinear,
@@ -40,22 +40,7 @@ from pipeserve.parallel.tp_layers import (
     default_weight_loader,
     shard_heads,
 )
-from pipeserve.runtime.attention_metadata import AttentionMetadata
 from pipeserve.runtime.model_config import ModelConfig
-
-
-def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual), x + residual): RMSNorm in float32, cast back before the weight
-    multiply (as HF Llama does)."""
-    # x, residual: [T, H]; weight: [H]
-    if residual is not None:
-        x = x + residual
-    residual = x
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype), residual
 
 
 class RMSNorm(nn.Module):
@@ -101,24 +86,6 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
     return torch.where(is_medium_freq, smoothed, inv_freq_llama)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX / rotate-half RoPE, as HF Llama (dimension i pairs with i + head_dim / 2)."""
-    # x: [T, nh, d]; cos, sin: [T, d]
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
-
-
-def rope_reference(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE on queries [T, h, d] and keys [T, kvh, d] with cos, sin [T, d]."""
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
 class RotaryEmbedding(nn.Module):
@@ -213,12 +180,6 @@ class Attention(nn.Module):
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         o = ops.paged_attention(q, kv_cache, meta, self.scale)  # [T, h, d]
         return self.o_proj(o.reshape(T, self.q_size))  # [T, H]
-
-
-def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
-    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
-    return F.silu(gate) * up
 
 
 class MLP(nn.Module):

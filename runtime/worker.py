@@ -63,8 +63,10 @@ class Worker:
         )
         # Every TP rank of the stage captures the same buckets in the same order (NCCL inside).
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.cuda_graphs = capture_cuda_graphs(self.model, self.kv_caches, config,
-                                               max_model_len=max_model_len, device=device)
+        self.cuda_graphs = None
+        if config.cuda_graphs_in_workers:
+            self.cuda_graphs = capture_cuda_graphs(self.model, self.kv_caches, config,
+                                                   max_model_len=max_model_len, device=device)
         self.mirror = BlockTableMirror()
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator | None] = {}

@@ -124,10 +124,6 @@ class BatchBuilder:
     def token_budget_left(self) -> int:
         return self.config.max_num_batched_tokens - self.num_tokens
 
-    def is_schedulable(self, request: Request) -> bool:
-        """A running request with known tokens to compute, not blocked by an in-flight chunk."""
-        return request.num_remaining_tokens > 0 and self._is_unblocked(request)
-
     def running_decodes(self) -> list[Request]:
         """Schedulable running requests with exactly one token left, in arrival order."""
         unblocked = self._is_unblocked

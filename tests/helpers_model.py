@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from pipeserve.runtime.attention_metadata import AttentionMetadata
+from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.runtime.kv_cache import allocate_kv_cache
 from pipeserve.runtime.model import LlamaForCausalLM
 

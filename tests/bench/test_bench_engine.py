@@ -122,6 +122,19 @@ def test_capacity_search_end_to_end_tiny(tiny_model, tmp_path, compose):
     # A 5 s TBT SLO holds at every rate tried here, so the search keeps doubling.
     assert [p["rate"] for p in cap["probes"]] == [4.0, 8.0, 16.0]
     assert all(p["meets_slo"] for p in cap["probes"]) and cap["capacity_rps"] == 16.0
+    assert [p["num_requests"] for p in cap["probes"]] == [4, 4, 4]
     assert "capacity" in B.format_table(result)
     saved = json.loads((tmp_path / "result.json").read_text())
     assert saved["capacity"]["capacity_rps"] == 16.0
+
+
+def test_capacity_probe_size_follows_the_rate_when_a_duration_is_set():
+    fixed = B.CapacityOptions(num_requests=64)
+    assert fixed.requests_per_probe(24.0, default=16) == 64
+    sustained = B.CapacityOptions(num_requests=64, probe_duration_s=60)
+    # Arrivals over 60 s: 1,440 requests at 24 req/s, never fewer than num_requests.
+    assert sustained.requests_per_probe(24.0, default=16) == 1440
+    assert sustained.requests_per_probe(0.5, default=16) == 64
+    assert B.CapacityOptions(probe_duration_s=10).requests_per_probe(2.05, default=16) == 21
+    with pytest.raises(ValueError, match="probe_duration_s"):
+        B.CapacityOptions(probe_duration_s=0)

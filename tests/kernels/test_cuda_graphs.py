@@ -240,11 +240,6 @@ def tiny_model(tmp_path, device, dtype):
     return model
 
 
-_KERNELS = ("kv_cache", "paged_attention", "rms_norm", "rope", "silu_mul")
-_have_kernels = all(importlib.util.find_spec(f"pipeserve.kernels.{k}") for k in _KERNELS)
-
-
-@pytest.mark.skipif(not _have_kernels, reason="the Triton kernels are not all in kernels/ yet")
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="Triton needs CUDA or TRITON_INTERPRET=1")
 def test_padded_forward_matches_eager_without_graphs(tmp_path):
@@ -319,7 +314,7 @@ def generate_greedy(folder: str, *, device: str, cuda_graph_max_batch: int, tp: 
               for _ in prompts]
     config = EngineConfig(
         model=folder, device=device, dtype="float32", num_kv_blocks=256, max_model_len=256,
-        cuda_graph_max_batch=cuda_graph_max_batch,
+        cuda_graph_max_batch=cuda_graph_max_batch, cuda_graphs_in_workers=tp * pp > 1,
         scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=32),
         parallel=ParallelConfig(tp=tp, pp=pp),
     )
@@ -351,7 +346,9 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp):
-    """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside)."""
+    """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside).
+    Opt-in (``cuda_graphs_in_workers``) until this has run on GPUs; it checks outputs only,
+    not that the workers replayed."""
     eager, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=0)
     graphed, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=256, tp=tp, pp=pp)
     assert graphed == eager

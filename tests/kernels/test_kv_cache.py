@@ -1,4 +1,4 @@
-"""write_kv (Triton) against the torch reference ``pipeserve.runtime.attention.write_kv``.
+"""write_kv (Triton) against the torch reference ``pipeserve.kernels.reference.write_kv``.
 
 Fresh random inputs every run (the seed is in every failure message). The cache starts as
 garbage with NaNs, the same in both; after the write the whole cache must equal the
@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from pipeserve.kernels.kv_cache import write_kv  # noqa: E402
-from pipeserve.runtime.attention import write_kv as write_kv_reference  # noqa: E402
+from pipeserve.kernels.reference import write_kv as write_kv_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [

@@ -23,8 +23,8 @@ pytest.importorskip("triton")
 from helpers_model import make_metadata  # noqa: E402
 
 from pipeserve.kernels.paged_attention import paged_attention  # noqa: E402
-from pipeserve.runtime.attention import attention_reference  # noqa: E402
-from pipeserve.runtime.attention_metadata import AttentionMetadata  # noqa: E402
+from pipeserve.kernels.reference import attention_reference  # noqa: E402
+from pipeserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [

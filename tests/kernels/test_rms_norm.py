@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton")
 
 from pipeserve.kernels.rms_norm import add_rms_norm  # noqa: E402
-from pipeserve.runtime.model import add_rms_norm_reference  # noqa: E402
+from pipeserve.kernels.reference import add_rms_norm_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(

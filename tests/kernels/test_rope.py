@@ -19,7 +19,8 @@ import torch
 pytest.importorskip("triton")
 
 from pipeserve.kernels.rope import rope  # noqa: E402
-from pipeserve.runtime.model import RotaryEmbedding, rope_reference, rotate_half  # noqa: E402
+from pipeserve.kernels.reference import rope_reference, rotate_half  # noqa: E402
+from pipeserve.runtime.model import RotaryEmbedding  # noqa: E402
 from pipeserve.runtime.model_config import ModelConfig  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton")
 
 from pipeserve.kernels.silu_mul import silu_mul  # noqa: E402
-from pipeserve.runtime.model import silu_mul_reference  # noqa: E402
+from pipeserve.kernels.reference import silu_mul_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 
 from helpers_model import make_metadata  # noqa: E402
 
-from pipeserve.runtime.attention import attention_reference, paged_attention, write_kv  # noqa: E402
+from pipeserve.kernels.reference import attention_reference, paged_attention, write_kv  # noqa: E402
 
 NUM_BLOCKS = 48
 HEAD_DIM = 16

@@ -1,4 +1,8 @@
-"""Paged attention over a packed mixed batch, in plain torch.
+"""The plain-torch references of the kernels: what CPU runs use, and what the Triton kernels are
+tested against. No Triton here (CPU installs need not have it).
+
+Norm, RoPE and SiLU·mul follow HF Llama's rounding order exactly (the transformers parity tests
+run through them). Below them: paged attention over a packed mixed batch.
 
 A batch packs T new tokens from S sequences (see ``AttentionMetadata``). Sequence i's
 ``q_len`` queries are the LAST q_len positions of its ``seq_len``-long context: query j sits at
@@ -6,9 +10,9 @@ absolute position ``seq_len - q_len + j`` and attends to every position <= that 
 prefix plus the causal part of its own chunk). Heads are grouped (GQA): query head h reads
 KV head ``h // (num_heads // num_kv_heads)``, as in HF's ``repeat_kv``.
 
-This is the torch reference that CPU runs use; a Triton kernel with the same signature will
-replace ``paged_attention`` on GPU. Decodes (q_len == 1) run together as one padded, masked
-batch; prefill chunks run one sequence at a time through SDPA.
+``pipeserve.kernels.paged_attention`` is the Triton kernel with the same signature. Here,
+decodes (q_len == 1) run together as one padded, masked batch; prefill chunks run one sequence
+at a time through SDPA.
 """
 
 from __future__ import annotations
@@ -19,7 +23,46 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipeserve.runtime.attention_metadata import AttentionMetadata
+from pipeserve.kernels.attention_metadata import AttentionMetadata
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): RMSNorm in float32, cast back before the weight
+    multiply (as HF Llama does)."""
+    # x, residual: [T, H]; weight: [H]
+    if residual is not None:
+        x = x + residual
+    residual = x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype), residual
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX / rotate-half RoPE, as HF Llama (dimension i pairs with i + head_dim / 2)."""
+    # x: [T, nh, d]; cos, sin: [T, d]
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rope_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on queries [T, h, d] and keys [T, kvh, d] with cos, sin [T, d]."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+    return F.silu(gate) * up
+
 
 # cuDNN's SDPA builds an execution plan for every new shape, and every prefill chunk has a new
 # shape: on an H200 that cost ~1.3 ms of host time per call (BENCHMARKS.md, profile). The
