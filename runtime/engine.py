@@ -131,6 +131,7 @@ class LLMEngine:
             self.executor.close()
             raise
         self._requests: dict[str, _RequestState] = {}
+        self._unscheduled: set[str] = set()  # requests without first_scheduled_time yet
         self._in_flight: deque[SchedulerOutput] = deque()
         self._ids = itertools.count()
         self.step_records: list[StepRecord] | None = [] if config.record_steps else None
@@ -177,6 +178,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival),
             logprobs=[] if params.logprobs is not None else None,
         )
+        self._unscheduled.add(request_id)
 
     def abort_request(self, request_id: str) -> bool:
         """Frees the request's KV blocks; its next output reports finish_reason "abort"."""
@@ -219,17 +221,14 @@ class LLMEngine:
             if plan.is_empty:
                 return
             self._mark_scheduled(plan)
+            requests = self._requests
             samples = {
-                s.request_id: self._sample_request(s.request_id) for s in plan.scheduled if s.needs_sample
+                s.request_id: _sample_request(requests[s.request_id]) for s in plan.scheduled if s.needs_sample
             }
             self.executor.submit(plan, samples)
             self._in_flight.append(plan)
             if self.step_records is not None:
                 self.step_records.append(StepRecord.of(plan, self._in_flight))
-
-    def _sample_request(self, request_id: str) -> SampleRequest:
-        st = self._requests[request_id]
-        return SampleRequest(st.params, st.generator, len(st.output_token_ids))
 
     def _fail_all(self, message: str) -> None:
         """A worker failure: every unfinished request ends with finish_reason "error"."""
@@ -240,11 +239,13 @@ class LLMEngine:
         self._in_flight.clear()
 
     def _mark_scheduled(self, plan: SchedulerOutput) -> None:
+        if not self._unscheduled:  # the usual decode step: every request was scheduled before
+            return
         now = time.monotonic()
         for s in plan.scheduled:
-            m = self._requests[s.request.request_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = now
+            if s.request_id in self._unscheduled:
+                self._unscheduled.remove(s.request_id)
+                self._requests[s.request_id].metrics.first_scheduled_time = now
 
     def _postprocess(self, req: Request, logprobs: dict[int, float] | None) -> RequestOutput:
         state = self._requests[req.request_id]
@@ -271,21 +272,21 @@ class LLMEngine:
             state.metrics.finished_time = now
             self.scheduler.finish_request(req.request_id, _FINISH_STATUS[reason])
             self.executor.free(req.request_id)
-        return self._output(req.request_id)
+        return self._output(req.request_id, state)
 
-    def _output(self, request_id: str) -> RequestOutput:
-        st = self._requests[request_id]
+    def _output(self, request_id: str, st: _RequestState) -> RequestOutput:
         finished = st.finish_reason is not None
-        completion = CompletionOutput(
-            index=0,
-            text=st.text,
-            token_ids=list(st.output_token_ids),
-            finish_reason=st.finish_reason,
-            logprobs=None if st.logprobs is None else list(st.logprobs),
-            stop_reason=st.stop_reason,
-        )
-        if finished:
+        token_ids, logprobs = st.output_token_ids, st.logprobs
+        if finished:  # the state is dropped: its lists go out as they are
             del self._requests[request_id]
+            self._unscheduled.discard(request_id)
+        else:  # copies, so that an output handed out earlier never changes
+            token_ids = token_ids.copy()
+            logprobs = None if logprobs is None else logprobs.copy()
+        completion = CompletionOutput(
+            index=0, text=st.text, token_ids=token_ids, finish_reason=st.finish_reason,
+            logprobs=logprobs, stop_reason=st.stop_reason,
+        )
         return RequestOutput(
             request_id=request_id,
             prompt=st.prompt,
@@ -298,7 +299,11 @@ class LLMEngine:
 
     def take_aborted(self, request_id: str) -> RequestOutput:
         """The final output of an aborted request (and forgets it)."""
-        return self._output(request_id)
+        return self._output(request_id, self._requests[request_id])
+
+
+def _sample_request(st: _RequestState) -> SampleRequest:
+    return SampleRequest(st.params, st.generator, len(st.output_token_ids))
 
 
 def validate_request(

@@ -66,7 +66,7 @@ def check_stop(
         decision = _check_stop_token(
             output_token_ids[-1], output_text, new_text_len, params, eos_token_ids
         )
-        if decision is None:
+        if decision is None and params.stop:
             decision = _check_stop_strings(output_text, new_text_len, params)
         if decision is not None:
             return decision

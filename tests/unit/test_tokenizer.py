@@ -290,3 +290,41 @@ def test_incremental_detokenizer_flushes_an_incomplete_character(ours):
     assert detok.text == "hi"
     assert detok.flush() == "\ufffd"
     assert detok.text == ours.decode(output)
+
+
+@needs_smollm2
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_token_text_is_the_decode_of_one_token(ours, reference, skip_special_tokens):
+    ids = [0, 1, 2, ours.eos_token_id, ours.backend.token_to_id("ð"), *ours.encode("naïve 🎉 日本")]
+    for token in ids * 2:  # the second pass reads the cache
+        assert ours.token_text(token, skip_special_tokens) == reference.decode(
+            [token], skip_special_tokens=skip_special_tokens)
+
+
+def _reference_stream(backend: BackendTokenizer, prompt: list[int], output: list[int]) -> list[str]:
+    """The vLLM incremental scheme with two full decodes per token (no caching), on the
+    `tokenizers` backend directly."""
+    ids, deltas = prompt[-5:], []
+    prefix, read = 0, len(ids)
+    for token in output:
+        ids.append(token)
+        prefix_text = backend.decode(ids[prefix:read], skip_special_tokens=True)
+        new_text = backend.decode(ids[prefix:], skip_special_tokens=True)
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            deltas.append(new_text[len(prefix_text):])
+            prefix, read = read, len(ids)
+        else:
+            deltas.append("")
+    return deltas
+
+
+@needs_smollm2
+def test_incremental_detokenizer_matches_uncached_reference_on_random_tokens(ours):
+    import random
+
+    rng = random.Random(0)
+    prompt = ours.encode("Write something.")
+    for _ in range(5):
+        output = [rng.randrange(ours.vocab_size) for _ in range(200)]
+        detok = IncrementalDetokenizer(ours, prompt)
+        assert [detok.step(t) for t in output] == _reference_stream(ours.backend, prompt, output)
