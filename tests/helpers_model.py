@@ -7,6 +7,7 @@ Import from a test file with ``tests/`` on ``sys.path`` (see the top of
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -82,6 +83,39 @@ def write_tiny_checkpoint(
     folder = Path(tmp_path) / kind
     model.to(dtype).save_pretrained(folder)
     return folder
+
+
+def write_word_level_tokenizer(folder: Path, vocab_size: int = 256) -> None:
+    """tokenizer.json of a word-level vocabulary t0..t{n-1} (t2 is EOS, t1 BOS), so that the
+    engine can load a tiny checkpoint folder; decodes join tokens with spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    (Path(folder) / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "t1", "eos_token": "t2", "add_bos_token": False})
+    )
+
+
+def write_tiny_model(folder: Path, **overrides) -> str:
+    """A tiny random Llama checkpoint (``write_tiny_checkpoint``) with the word-level
+    tokenizer: the cheapest model the engine loads from a folder."""
+    path = write_tiny_checkpoint(folder, "llama", **overrides)
+    write_word_level_tokenizer(path)
+    return str(path)
+
+
+# Prompt shapes of a mixed batch: (tokens computed this step, context length after it).
+MIXED_BATCH = [
+    (1, 37),  # decode
+    (9, 50),  # prefill chunk over a cached prefix
+    (23, 23),  # whole prompt
+    (1, 1),  # decode of a one-token context
+    (1, 32),  # decode ending on a block boundary
+    (16, 32),  # chunk ending on a block boundary
+]
 
 
 def load_hf_reference(folder: Path, *, dtype=torch.float32, device="cpu"):

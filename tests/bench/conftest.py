@@ -3,33 +3,17 @@ tokenizer (fast on CPU), and Hydra config composition for the bench app."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from helpers_model import write_tiny_checkpoint
+from helpers_model import write_tiny_model
 
 VOCAB = 256
 
 
-def write_tokenizer(folder: Path, vocab_size: int = VOCAB) -> None:
-    """tokenizer.json of a word-level vocabulary t0..t{n-1} (t2 is EOS, t1 BOS)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "eos_token": "t2",
-                                                              "add_bos_token": False}))
-
-
 def make_model(root: Path, name: str, **shape) -> str:
-    folder = write_tiny_checkpoint(root / name, "llama", **shape)
-    write_tokenizer(folder)
-    return str(folder)
+    return write_tiny_model(root / name, **shape)
 
 
 @pytest.fixture(scope="session")

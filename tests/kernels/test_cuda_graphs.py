@@ -9,15 +9,14 @@ model, and greedy outputs of the whole engine with graphs on and off.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers_model import write_tiny_checkpoint
+from helpers_kernels import runs_triton
+from helpers_model import write_tiny_checkpoint, write_word_level_tokenizer
 from pipeserve.kernels import kernel_ops
 from pipeserve.runtime.batch import StepInputs, to_tensors
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
@@ -240,8 +239,7 @@ def tiny_model(tmp_path, device, dtype):
     return model
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@runs_triton
 def test_padded_forward_matches_eager_without_graphs(tmp_path):
     """The padded static-buffer forward run eagerly (on CPU: Triton interpreter): padding,
     static buffers and the decode metadata's host lists give the eager logits. On CUDA this
@@ -284,22 +282,10 @@ def test_gpu_graph_replay_exact_bucket_is_bitwise_eager(tmp_path):
         assert (graphed - eager).abs().max().item() < 1e-5
 
 
-def write_tokenizer(folder: Path, vocab_size: int = 256) -> None:
-    """A word-level tokenizer t0..t{n-1} (t1 BOS, t2 EOS) so the engine can load the folder."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "t1", "eos_token": "t2", "add_bos_token": False})
-    )
-
-
 @pytest.fixture
 def tiny_folder(tmp_path) -> str:
     folder = write_tiny_checkpoint(tmp_path, "llama", seed=3)
-    write_tokenizer(folder)
+    write_word_level_tokenizer(folder)
     return str(folder)
 
 

@@ -10,7 +10,6 @@ of a fused qkv projection, as the model passes them. Runs under the Triton inter
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -18,18 +17,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers_kernels import DEVICE, gpu, runs_triton, interpreter_array_warning  # noqa: E402
+
 from pipeserve.kernels.kv_cache import write_kv  # noqa: E402
 from pipeserve.kernels.reference import write_kv as write_kv_reference  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.skipif(
-        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="Triton needs CUDA or TRITON_INTERPRET=1",
-    ),
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [runs_triton, interpreter_array_warning]
 
 
 def _case(T, num_heads, num_kv_heads, head_dim, num_blocks, block_size, dtype, seed, num_pad):

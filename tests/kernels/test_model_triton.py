@@ -12,7 +12,6 @@ GPU (marked): bfloat16 on a larger model, within bfloat16 noise of a float32 ref
 from __future__ import annotations
 
 import copy
-import os
 import random
 
 import pytest
@@ -20,17 +19,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers_kernels import gpu, runs_triton  # noqa: E402
+
 from pipeserve.kernels import kernel_ops, torch_ops, triton_ops  # noqa: E402
 from pipeserve.runtime.batch import StepInputs, to_tensors  # noqa: E402
 from pipeserve.runtime.kv_cache import allocate_kv_cache  # noqa: E402
 from pipeserve.runtime.model import LlamaForCausalLM  # noqa: E402
 from pipeserve.runtime.model_config import ModelConfig  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton needs CUDA or TRITON_INTERPRET=1",
-)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = runs_triton
 
 # Steps of (sequence, number of new tokens): A's whole prompt + B's first chunk; B's second
 # chunk over its cached prefix + C's whole prompt + A's first decode; three decode steps.

@@ -12,7 +12,6 @@ contexts, head_dim 128, CUDA-graph capture of a decode batch).
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -20,35 +19,21 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers_model import make_metadata  # noqa: E402
+from helpers_kernels import DEVICE, gpu, runs_triton, interpreter_array_warning  # noqa: E402
+
+from helpers_model import MIXED_BATCH, make_metadata  # noqa: E402
 
 from pipeserve.kernels.paged_attention import paged_attention  # noqa: E402
 from pipeserve.kernels.reference import attention_reference  # noqa: E402
 from pipeserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = [
-    pytest.mark.skipif(
-        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="Triton needs CUDA or TRITON_INTERPRET=1",
-    ),
-    # Triton 3.6's interpreter turns 1-element arrays into loop bounds the deprecated way.
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
-]
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [runs_triton, interpreter_array_warning]
 
 # max |got - reference| allowed, per dtype: rounding of q/K/V is in both; what is left is
 # the probabilities' cast for P @ V and the output's rounding.
 ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}
 
-MIXED = [
-    (1, 37),  # decode
-    (9, 50),  # prefill chunk over a cached prefix
-    (23, 23),  # whole prompt
-    (1, 1),  # decode of a one-token context
-    (1, 32),  # decode ending on a block boundary
-    (16, 32),  # chunk ending on a block boundary
-]
+MIXED = MIXED_BATCH
 
 
 def _random_case(seqs, *, block_size, num_heads, num_kv_heads, head_dim, dtype, seed, pad=0):

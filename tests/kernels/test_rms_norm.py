@@ -10,7 +10,6 @@ GPU (the ``gpu`` tests, bfloat16).
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -18,15 +17,12 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers_kernels import DEVICE, assert_close_rounding, gpu, runs_triton  # noqa: E402
+
 from pipeserve.kernels.rms_norm import add_rms_norm  # noqa: E402
 from pipeserve.kernels.reference import add_rms_norm_reference  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton needs CUDA or TRITON_INTERPRET=1",
-)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = runs_triton
 
 EPS = 1e-6
 HIDDEN_SIZES = [576, 1000, 4096]  # SmolLM2, a non-power-of-two, Llama
@@ -53,19 +49,6 @@ def _poisoned(T, H, dtype, device=DEVICE):
     return buf[:, :H], buf
 
 
-def _check_normed(got, want, seed):
-    """Within an ulp or two (sum-of-squares order, rsqrt), and in half precision mostly
-    exactly (the rounding points are the reference's)."""
-    msg = f"seed {seed}"
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=msg)
-        return
-    ulp = torch.finfo(got.dtype).eps
-    torch.testing.assert_close(got, want, rtol=2 * ulp, atol=1e-5, msg=msg)
-    exact = (got == want).float().mean().item()
-    assert exact >= 0.95, f"only {exact:.3f} of elements match exactly, {msg}"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("H", HIDDEN_SIZES)
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -83,7 +66,7 @@ def test_matches_reference_into_poisoned_outputs(dtype, H, with_residual):
     want, want_residual = add_rms_norm_reference(x_before, residual_before, weight, EPS)
 
     assert got is out
-    _check_normed(got, want, seed)
+    assert_close_rounding(got, want, seed, fp32_atol=1e-5)
     assert out_buf[:, H:].isnan().all(), "wrote past the end of a row"
     assert torch.equal(got_residual, want_residual), f"seed {seed}"
     if with_residual:
@@ -103,7 +86,7 @@ def test_allocates_outputs(dtype):
     want, want_residual = add_rms_norm_reference(x, residual, weight, EPS)
     for t in (got, got_residual):
         assert t.shape == (5, 1000) and t.dtype == dtype and t.is_contiguous()
-    _check_normed(got, want, seed)
+    assert_close_rounding(got, want, seed, fp32_atol=1e-5)
     assert torch.equal(got_residual, want_residual), f"seed {seed}"
 
 
@@ -135,6 +118,6 @@ def test_gpu_bfloat16_matches_reference(H, with_residual):
     out, out_buf = _poisoned(T, H, torch.bfloat16, device="cuda")
     got, got_residual = add_rms_norm(x, residual, weight, EPS, out=out)
     want, want_residual = add_rms_norm_reference(x, residual, weight, EPS)
-    _check_normed(got, want, seed)
+    assert_close_rounding(got, want, seed, fp32_atol=1e-5)
     assert out_buf[:, H:].isnan().all()
     assert torch.equal(got_residual, want_residual), f"seed {seed}"

@@ -10,7 +10,6 @@ seed is in every failure message). Interpreter on CPU (float32, float16); GPU in
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -18,17 +17,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers_kernels import DEVICE, gpu, runs_triton  # noqa: E402
+
 from pipeserve.kernels.rope import rope  # noqa: E402
 from pipeserve.kernels.reference import rope_reference, rotate_half  # noqa: E402
 from pipeserve.runtime.model import RotaryEmbedding  # noqa: E402
 from pipeserve.runtime.model_config import ModelConfig  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton needs CUDA or TRITON_INTERPRET=1",
-)
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = runs_triton
 
 MAX_POSITIONS = 8192
 LLAMA3_SCALING = {

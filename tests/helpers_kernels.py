@@ -1,0 +1,35 @@
+"""What the Triton kernel tests share: where they can run, and the half-precision check of a
+kernel that rounds where its torch reference does."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# On CPU the kernels run only under the interpreter (tests/conftest.py sets it without a GPU).
+runs_triton = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton needs CUDA or TRITON_INTERPRET=1",
+)
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# Triton 3.6's interpreter turns 1-element arrays into loop bounds the deprecated way.
+interpreter_array_warning = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
+)
+
+
+def assert_close_rounding(got, want, seed, *, fp32_atol: float, min_exact: float = 0.95) -> None:
+    """float32: within ``fp32_atol``. Half precision: within two ulps, and mostly bit-equal
+    (the rounding points are the reference's; only an accumulation order may differ)."""
+    msg = f"seed {seed}"
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=fp32_atol, msg=msg)
+        return
+    ulp = torch.finfo(got.dtype).eps
+    torch.testing.assert_close(got, want, rtol=2 * ulp, atol=1e-5, msg=msg)
+    exact = (got == want).float().mean().item()
+    assert exact >= min_exact, f"only {exact:.3f} of elements match exactly, {msg}"
