@@ -8,16 +8,20 @@ the torch references (CPU, tests, parity with transformers) or the Triton kernel
     silu_mul(gate_up) -> out                      # gate_up: [T, 2I] -> [T, I]
     write_kv(k, v, kv_cache, slot_mapping) -> None
     paged_attention(q, kv_cache, meta, scale) -> out    # [T, h, d]
+    matmul(x, w, out_dtype) -> x @ w.T, or None     # None: the layers' F.linear (cuBLAS)
 
 ``kernel_ops(backend, device)`` picks the table: ``torch``, ``triton``, or ``auto`` (Triton on
-CUDA when it imports, torch elsewhere).
+CUDA when it imports, torch elsewhere). ``batch_invariant=True`` gives the deterministic table:
+Triton kernels whose per-token results do not depend on the micro-batch (the batch-invariant
+matmul, fixed norm tiles, one attention tile shape for decodes and prefills).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -32,6 +36,7 @@ class KernelOps:
     silu_mul: Callable
     write_kv: Callable
     paged_attention: Callable
+    matmul: Callable | None = None
 
 
 def torch_ops() -> KernelOps:
@@ -66,10 +71,31 @@ def triton_ops() -> KernelOps:
     )
 
 
-def kernel_ops(backend: str, device: torch.device) -> KernelOps:
-    """The op table for ``backend`` (auto | torch | triton) on ``device``."""
+def batch_invariant_ops() -> KernelOps:
+    """The Triton kernels configured so that no token's result depends on its micro-batch."""
+    from pipeserve.kernels.matmul import matmul
+
+    ops = triton_ops()
+    return replace(
+        ops,
+        name="triton-batch-invariant",
+        add_rms_norm=functools.partial(ops.add_rms_norm, batch_invariant=True),
+        paged_attention=functools.partial(ops.paged_attention, batch_invariant=True),
+        matmul=matmul,
+    )
+
+
+def kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool = False) -> KernelOps:
+    """The op table for ``backend`` (auto | torch | triton) on ``device``; ``batch_invariant``
+    (deterministic serving) needs the Triton kernels."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
+    if batch_invariant:
+        if backend == "torch":
+            raise ValueError("deterministic mode needs kernel_backend auto or triton, not torch")
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"deterministic mode needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
+        return batch_invariant_ops()
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return torch_ops()
     if backend == "auto":

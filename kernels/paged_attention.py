@@ -167,7 +167,12 @@ def _paged_attention_kernel(
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context; returns [T, h, d].
 
@@ -186,6 +191,11 @@ def paged_attention(
     block_tables from the device tensors and does not read query_start_loc at all (token i is
     sequence i's query). No host list of ``meta`` is read there. Other batches read
     ``meta.query_start_loc_cpu`` on the host for the grid's max query length.
+
+    ``batch_invariant``: decodes use the mixed batches' 64-row tiles too, so a token's result
+    is the same bits whether its micro-batch held only decodes or also prefill chunks (a row's
+    arithmetic depends on the tile shape, never on the other rows in it; keys are always walked
+    BLOCK_N at a time from position 0, and fully masked tiles change nothing).
     """
     # q: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
     T, h, d = q.shape
@@ -211,7 +221,8 @@ def paged_attention(
     g = h // kvh
     decode_only = T == num_seqs  # every sequence has q_len >= 1, so all are 1
     if decode_only:
-        block_m, block_n, num_warps, max_q_len = max(16, triton.next_power_of_2(g)), 64, 4, 1
+        block_m = max(64 if batch_invariant else 16, triton.next_power_of_2(g))
+        block_n, num_warps, max_q_len = 64, 4, 1
     else:
         block_m, block_n, num_warps = max(64, triton.next_power_of_2(g)), 64, 4
         max_q_len = meta.max_query_len

@@ -63,12 +63,15 @@ def add_rms_norm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual); with no residual, (norm(x) * weight, x)
     with x itself returned, as the reference does.
 
     Inputs are not modified. ``out`` / ``residual_out`` ([T, H], rows may be strided) receive
-    the results when given, else they are allocated.
+    the results when given, else they are allocated. ``batch_invariant`` keeps the tile (and so
+    each row's reduction order) the same for every T; by default small batches get a smaller
+    tile, which may round a row's sum of squares differently.
     """
     # x, residual, out, residual_out: [T, H]; weight: [H]
     assert x.dim() == 2 and x.stride(1) == 1, f"x must be [T, H] with unit stride, {x.stride()}"
@@ -92,7 +95,9 @@ def add_rms_norm(
         return out, new_residual
     residual_in = x if residual is None else residual  # unread without a residual
     block_h = triton.next_power_of_2(H)
-    block_t = min(max(_TILE // block_h, 1), triton.next_power_of_2(T))
+    block_t = max(_TILE // block_h, 1)
+    if not batch_invariant:
+        block_t = min(block_t, triton.next_power_of_2(T))
     _add_rms_norm_kernel[(triton.cdiv(T, block_t),)](
         x,
         residual_in,

@@ -10,6 +10,17 @@ Runs the same 64 chat prompts greedily through one process and through each tp/p
   |Δ log p| of the chosen tokens over the common prefix.
 
     python -m pipeserve.launch.agreement --model model.gguf --layouts tp=2,pp=2 --out agree.json
+    python -m pipeserve.launch.agreement --model model.gguf --layouts tp=2,pp=2 --deterministic
+    python -m pipeserve.launch.agreement --shape llama3-70b --num-layers 80 --tokenizer gpt2.json \
+        --base pp=2 --layouts pp=4,tp=2+pp=2 --deterministic     # random weights, same in every layout
+
+``--deterministic`` runs every layout in deterministic mode (``engine.deterministic``, with
+``reduction_splits`` the largest tp compared), where the layouts must agree bit for bit:
+"identical" counts prompts whose tokens and log-probabilities are all equal. ``--shape``
+serves random weights of a benchmark shape (``load_format=dummy``: the same values in every
+layout) with plain-text prompts and ``ignore_eos``; ``--base`` is the layout the others are
+compared with (default one process; a model too large for one GPU compares with a smaller
+layout).
 """
 
 from __future__ import annotations
@@ -45,23 +56,48 @@ def run_layout(model: str, layout: str, args) -> dict:
     """Greedy outputs (token ids, top-k logprobs per token) of one layout, in this process."""
     from pipeserve import LLM, SamplingParams
 
-    par = dict(kv.split("=") for kv in layout.split("+") if kv != "1")
+    par = _parse_layout(layout)
+    dummy = args.shape is not None
     llm = LLM(model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
-              kernel_backend=args.kernel_backend,
-              tensor_parallel_size=int(par.get("tp", 1)), pipeline_parallel_size=int(par.get("pp", 1)))
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs)
-    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts(args.num_prompts)], params)
+              kernel_backend=args.kernel_backend, load_format="dummy" if dummy else "auto",
+              deterministic=args.deterministic, reduction_splits=_reduction_splits(args),
+              tensor_parallel_size=par["tp"], pipeline_parallel_size=par["pp"])
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=dummy)
+    if dummy:  # no chat template in a benchmark shape's folder
+        outs = llm.generate(prompts(args.num_prompts), params)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts(args.num_prompts)], params)
     llm.close()
     return {"tokens": [o.outputs[0].token_ids for o in outs],
             "logprobs": [[{str(k): v for k, v in lp.items()} for lp in o.outputs[0].logprobs] for o in outs]}
 
 
+def _parse_layout(layout: str) -> dict[str, int]:
+    """"tp=2+pp=2" -> {"tp": 2, "pp": 2}; "1" -> one process."""
+    par = {"tp": 1, "pp": 1}
+    for kv in layout.split("+"):
+        if kv != "1":
+            key, value = kv.split("=")
+            if key not in par:
+                raise ValueError(f"bad layout {layout!r}: use tp=N, pp=N, tp=N+pp=M or 1")
+            par[key] = int(value)
+    return par
+
+
+def _reduction_splits(args) -> int:
+    """Deterministic runs share one reduction: over the largest tp compared."""
+    if not args.deterministic:
+        return 0
+    return max(_parse_layout(x)["tp"] for x in [args.base, *args.layouts.split(",")])
+
+
 def compare(base: dict, other: dict) -> dict:
     """Agreement of `other` with `base` (see the module docstring)."""
-    same, margins, prefix_dev, bounds_only, length_only = 0, [], [], 0, 0
+    same, identical, margins, prefix_dev, bounds_only, length_only = 0, 0, [], [], 0, 0
     for bt, ot, blp, olp in zip(base["tokens"], other["tokens"], base["logprobs"], other["logprobs"]):
         if bt == ot:
             same += 1
+            identical += blp == olp  # every top-k log-probability equal, bit for bit
         n = next((i for i, (a, b) in enumerate(zip(bt, ot)) if a != b), min(len(bt), len(ot)))
         dev = [abs(blp[i][str(bt[i])] - olp[i][str(bt[i])]) for i in range(n)]
         prefix_dev.append(max(dev, default=0.0))
@@ -77,6 +113,7 @@ def compare(base: dict, other: dict) -> dict:
     return {
         "num_prompts": num,
         "same_greedy_fraction": same / num,
+        "identical_fraction": identical / num,
         "divergence_margins": sorted(margins),
         "margins_that_are_lower_bounds": bounds_only,
         "length_only_divergences": length_only,
@@ -95,6 +132,11 @@ def main(argv=None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kernel-backend", default="auto", help="auto | torch | triton")
+    p.add_argument("--deterministic", action="store_true", help="every layout in deterministic mode")
+    p.add_argument("--base", default="1", help="the layout the others are compared with")
+    p.add_argument("--shape", default=None, help="random weights of this benchmark shape (llama3-8b, llama3-70b)")
+    p.add_argument("--num-layers", type=int, default=None, help="--shape: layers (default the shape's)")
+    p.add_argument("--tokenizer", default=None, help="--shape: tokenizer.json to put beside it")
     p.add_argument("--workdir", default=".")
     p.add_argument("--out", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -104,27 +146,44 @@ def main(argv=None) -> None:
         with open(os.path.join(args.workdir, f"agree_{args.child}.json"), "w") as f:
             json.dump(result, f)
         return
+    child_args = list(argv or sys.argv[1:])
+    if args.shape is not None:
+        child_args += ["--model", _shape_folder(args)]
     outputs = {}
-    for layout in ["1", *args.layouts.split(",")]:
-        cmd = [sys.executable, "-m", "pipeserve.launch.agreement", *(argv or sys.argv[1:]), "--child", layout]
+    for layout in [args.base, *args.layouts.split(",")]:
+        cmd = [sys.executable, "-m", "pipeserve.launch.agreement", *child_args, "--child", layout]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{layout}: failed\n{proc.stderr[-3000:]}", flush=True)
             continue
         with open(os.path.join(args.workdir, f"agree_{layout}.json")) as f:
             outputs[layout] = json.load(f)
-    if "1" not in outputs:
-        sys.exit("the one-process run failed: nothing to compare against")
-    report = {layout: compare(outputs["1"], out) for layout, out in outputs.items() if layout != "1"}
+    if args.base not in outputs:
+        sys.exit(f"the base layout {args.base} failed: nothing to compare against")
+    report = {layout: compare(outputs[args.base], out) for layout, out in outputs.items() if layout != args.base}
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "agreement": report}, f, indent=1)
-    print(f"| layout | same greedy ({args.dtype}, {args.num_prompts} prompts × {args.max_tokens} tokens) "
-          "| margins at divergence | max |Δ log p| before it |")
-    print("|---|---|---|---|")
+    mode = "deterministic" if args.deterministic else "default"
+    print(f"| layout vs {args.base} | same greedy ({args.dtype}, {mode}, {args.num_prompts} prompts × "
+          f"{args.max_tokens} tokens) | identical log-probs | margins at divergence | max |Δ log p| before it |")
+    print("|---|---|---|---|---|")
     for layout, r in report.items():
         m = ", ".join(f"{x:.3f}" for x in r["divergence_margins"]) or "—"
-        print(f"| {layout} | {r['same_greedy_fraction']:.0%} | {m} | {r['max_prefix_logprob_deviation']:.3f} |")
+        print(f"| {layout} | {r['same_greedy_fraction']:.0%} | {r['identical_fraction']:.0%} | {m} | "
+              f"{r['max_prefix_logprob_deviation']:.3f} |")
+
+
+def _shape_folder(args) -> str:
+    """A config.json + tokenizer folder of the benchmark shape, in --workdir."""
+    from pipeserve.launch.bench_peers import SHAPES, write_model_folder
+
+    if args.tokenizer is None:
+        raise SystemExit("--shape needs --tokenizer")
+    num_layers = args.num_layers or SHAPES[args.shape]["num_hidden_layers"]
+    folder = os.path.join(args.workdir, f"{args.shape}-{num_layers}")
+    write_model_folder(folder, args.tokenizer, num_layers=num_layers, with_weights=False, shape=args.shape)
+    return folder
 
 
 if __name__ == "__main__":

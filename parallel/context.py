@@ -133,6 +133,17 @@ def tp_all_reduce(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
     return x
 
 
+def tp_gather_list(x: torch.Tensor, parallel: ParallelContext) -> list[torch.Tensor]:
+    """Every TP rank's ``x`` (one shape on all ranks), in TP-rank order; ``[x]`` when
+    tp_size == 1."""
+    if parallel.tp_size == 1:
+        return [x]
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(parallel.tp_size)]
+    dist.all_gather(parts, x, group=parallel.tp_group)
+    return parts
+
+
 def tp_all_gather(x: torch.Tensor, parallel: ParallelContext, sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate every TP rank's ``x`` along the last dim, in TP-rank order.
 

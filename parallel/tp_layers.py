@@ -14,6 +14,12 @@
 With tp_size == 1 every layer is exactly ``nn.Linear`` / ``nn.Embedding`` (same parameters,
 same forward, no collective), so single-process numerics do not change.
 
+Deterministic serving (``InvariantNumerics``, set with ``set_numerics``) trades speed for
+layout-invariant results: every product runs a batch-invariant matmul, row-parallel layers
+cut their input features into a fixed number of segments whose float32 partial products are
+summed in one fixed binary tree (``tree_sum``) whatever the TP size, and logits stay float32.
+One GPU, a pipeline and a TP group then compute the same bits for every token.
+
 Each layer has ``weight_loader(param, loaded, part=None)``: ``loaded`` is the full checkpoint
 tensor, or a lazy slice of it (safetensors' ``get_slice``, ``GGUFTensorSlice``), indexed only
 with ``[a:b]`` / ``[:, a:b]`` so that only this rank's rows or columns are read. Loaders raise
@@ -22,7 +28,7 @@ ValueError on a checkpoint shape that does not match the model.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -31,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeserve.parallel.context import ParallelContext, tp_all_gather, tp_all_reduce
+from pipeserve.parallel.context import ParallelContext, tp_all_gather, tp_all_reduce, tp_gather_list
 
 # --- splitting (pure) -----------------------------------------------------------------------
 
@@ -98,6 +104,63 @@ def shard_heads(num_heads: int, num_kv_heads: int, tp_size: int, tp_rank: int) -
     return HeadShard(q_start=a, q_stop=b, kv_heads=kv_heads)
 
 
+# --- deterministic numerics (pure) ---------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class InvariantNumerics:
+    """How the linear layers compute in deterministic mode (see the module docstring)."""
+
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.dtype | None], torch.Tensor]
+    """A batch-invariant ``matmul(x [T, K], w [N, K], out_dtype) -> [T, N]``: its bits depend on
+    neither T nor N (``pipeserve.kernels.matmul.matmul``)."""
+    reduction_splits: int
+    """Segments of every row-parallel input. Runs agree bit for bit when they share this value
+    and each one's tp divides it (``check_reduction_splits``)."""
+
+
+def check_reduction_splits(splits: int, tp_size: int) -> None:
+    """ValueError unless ``tree_sum`` over ``splits`` leaves equals the tree over tp ranks of
+    the trees over each rank's ``splits / tp`` leaves: tp must divide splits, and be a power of
+    two (each level of the tree then halves evenly) or equal splits."""
+    if splits < 1 or splits % tp_size or (tp_size & (tp_size - 1) and splits != tp_size):
+        raise ValueError(
+            f"deterministic reduction over {splits} segments cannot be split over tp={tp_size}: "
+            "tp must divide it and be a power of two (or equal it)"
+        )
+
+
+def tree_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum in one fixed binary tree: the first ceil(n/2) parts, plus the rest, recursively."""
+    if len(parts) == 1:
+        return parts[0]
+    half = (len(parts) + 1) // 2
+    return tree_sum(parts[:half]) + tree_sum(parts[half:])
+
+
+def reduction_segments(
+    num_units: int, unit: int, splits: int, tp_size: int, tp_rank: int, cols: tuple[int, int]
+) -> list[tuple[int, int]]:
+    """This rank's segments of a row-parallel input, as [a, b) local column ranges.
+
+    The input's ``num_units * unit`` features (heads of ``unit`` features for o_proj) are cut
+    into ``splits`` segments as evenly as possible; rank r holds segments
+    [r * splits / tp, (r + 1) * splits / tp), which must be exactly its columns ``cols``.
+    """
+    check_reduction_splits(splits, tp_size)
+    if splits > num_units:
+        raise ValueError(f"cannot cut {num_units} input units into {splits} segments")
+    per_rank = splits // tp_size
+    mine = [split_evenly(num_units, splits, i) for i in range(tp_rank * per_rank, (tp_rank + 1) * per_rank)]
+    start, stop = cols
+    if mine[0][0] * unit != start or mine[-1][1] * unit != stop:
+        raise ValueError(
+            f"this rank's input columns [{start}, {stop}) are not its {per_rank} of {splits} "
+            "deterministic segments; use reduction_splits = tp"
+        )
+    return [(a * unit - start, b * unit - start) for a, b in mine]
+
+
 # --- reading checkpoint slices ----------------------------------------------------------------
 
 
@@ -156,11 +219,22 @@ class ColumnParallelLinear(nn.Linear):
         assert sum(full for full, _ in parts.values()) == out_features, (parts, out_features)
         super().__init__(in_features, sum(len(rows) for _, rows in parts.values()), bias=bias)
         self.parallel = parallel
+        self.numerics: InvariantNumerics | None = None
         self.parts = parts
         self.part_offsets, offset = {}, 0
         for part, (_, rows) in parts.items():
             self.part_offsets[part] = offset
             offset += len(rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out_local]
+        if self.numerics is None:
+            return super().forward(x)
+        y = self.numerics.matmul(x, self.weight, None)
+        return y if self.bias is None else y + self.bias
+
+    def set_numerics(self, numerics: InvariantNumerics | None) -> None:
+        self.numerics = numerics
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
         full_rows, rows = self.parts[part]
@@ -214,7 +288,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Linear):
     """y = all_reduce(x_r W_r^T) + b over this rank's input columns [start, stop).
 
-    ``cols`` defaults to an even split; o_proj passes its query heads' columns.
+    ``cols`` defaults to an even split; o_proj passes its query heads' columns and its head
+    size as ``unit`` (deterministic segments are cut at multiples of it).
     """
 
     def __init__(
@@ -225,17 +300,40 @@ class RowParallelLinear(nn.Linear):
         bias: bool,
         parallel: ParallelContext,
         cols: tuple[int, int] | None = None,
+        unit: int = 1,
     ) -> None:
         start, stop = cols if cols is not None else _split(in_features, parallel)
         super().__init__(stop - start, out_features, bias=bias)
-        self.parallel = parallel
+        assert in_features % unit == 0 and start % unit == 0 and stop % unit == 0, (in_features, cols, unit)
+        self.parallel, self.unit = parallel, unit
         self.full_in_features, self.cols = in_features, (start, stop)
+        self.numerics: InvariantNumerics | None = None
+        self.segments: list[tuple[int, int]] = []
+
+    def set_numerics(self, numerics: InvariantNumerics | None) -> None:
+        self.numerics = numerics
+        if numerics is not None:
+            p = self.parallel
+            self.segments = reduction_segments(
+                self.full_in_features // self.unit, self.unit, numerics.reduction_splits,
+                p.tp_size, p.tp_rank, self.cols,
+            )  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_local] -> [T, out]
+        if self.numerics is not None:
+            return self._forward_invariant(x)
         if self.parallel.tp_size == 1:
             return super().forward(x)
         y = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+        return y if self.bias is None else y + self.bias
+
+    def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
+        # Each segment's product in float32 ([T, out] each), one tree over all ranks' segments
+        # (this rank's subtree here, the ranks' subtrees after the gather), one rounding.
+        mm = self.numerics.matmul
+        local = tree_sum([mm(x[:, a:b], self.weight[:, a:b], torch.float32) for a, b in self.segments])
+        y = tree_sum(tp_gather_list(local, self.parallel)).to(x.dtype)  # [T, out]
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
@@ -284,9 +382,16 @@ class ParallelLMHead(nn.Linear):
         self.vocab_start, self.vocab_stop = start, stop
         self.parallel, self.full_vocab_size = parallel, vocab_size
         self.shard_sizes = split_sizes(vocab_size, parallel.tp_size)
+        self.numerics: InvariantNumerics | None = None
+
+    def set_numerics(self, numerics: InvariantNumerics | None) -> None:
+        self.numerics = numerics
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32
+        if self.numerics is not None:  # logits never rounded to the model's dtype
+            local = self.numerics.matmul(hidden, self.weight, torch.float32)  # [N, V_local]
+            return tp_all_gather(local, self.parallel, self.shard_sizes)
         local = F.linear(hidden, self.weight)  # [N, V_local]
         # Gathered in the model's dtype (half the bytes of float32), cast after: same values.
         return tp_all_gather(local, self.parallel, self.shard_sizes).float()

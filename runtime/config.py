@@ -91,6 +91,15 @@ class EngineConfig:
     cuda_graphs_in_workers: bool = False
     """Capture in tp/pp workers too. Off by default: captured NCCL all-reduces and replays
     between pipeline sends have not been verified on GPUs yet (single-process runs capture)."""
+    deterministic: bool = False
+    """Deterministic, layout-invariant serving: a token's output is the same bits whatever
+    else shares its micro-batch and whatever the tp/pp layout (batch-invariant Triton kernels,
+    float32 partial sums reduced in a fixed tree, float32 logits). Needs the Triton kernels
+    (CUDA, or TRITON_INTERPRET=1); slower than the default."""
+    reduction_splits: int = 0
+    """Deterministic mode: segments of every row-parallel input, reduced in float32 in one fixed
+    tree. Runs compared bit for bit must share it, and each run's tp must divide it (a power of
+    two, or equal it): e.g. 2 to match one GPU with tp=2. 0 = this run's tp."""
     record_steps: bool = False
     """Keep a record of every micro-batch (what ran, what else was in flight) for analysis."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -113,8 +122,20 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_gb must be > 0")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.reduction_splits < 0:
+            raise ValueError(f"reduction_splits must be >= 0, got {self.reduction_splits}")
+        if self.deterministic:
+            from pipeserve.parallel.tp_layers import check_reduction_splits
+
+            if self.kernel_backend == "torch":
+                raise ValueError("deterministic mode needs kernel_backend auto or triton, not torch")
+            check_reduction_splits(self.effective_reduction_splits, self.parallel.tp)
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+
+    @property
+    def effective_reduction_splits(self) -> int:
+        return self.reduction_splits or self.parallel.tp
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

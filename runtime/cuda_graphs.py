@@ -114,7 +114,7 @@ def plan_graph_step(
 
 def graphs_enabled(*, max_batch: int, device: torch.device, ops_name: str) -> bool:
     """Graphs need CUDA and the Triton ops (the torch attention reads host lists)."""
-    return max_batch > 0 and device.type == "cuda" and ops_name == "triton"
+    return max_batch > 0 and device.type == "cuda" and ops_name.startswith("triton")
 
 
 def graph_max_batch(config: EngineConfig) -> int:

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pipeserve.kernels import kernel_ops
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
 from pipeserve.runtime.cuda_graphs import capture_cuda_graphs
 from pipeserve.runtime.executor import (
@@ -28,7 +27,7 @@ from pipeserve.runtime.executor import (
     launch_torchrun,
 )
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from pipeserve.runtime.loader import LoadedModel, load_model, read_config_and_tokenizer
+from pipeserve.runtime.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
 from pipeserve.runtime.model_runner import ModelRunner
 from pipeserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pipeserve.runtime.sampler import make_generator
@@ -105,7 +104,7 @@ class LLMEngine:
         if config.parallel.world_size == 1:
             if loaded is None:
                 loaded = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format)
-            loaded.model.set_ops(kernel_ops(config.kernel_backend, device))
+            set_kernels(loaded.model, config, device)
             model_config, self.tokenizer = loaded.config, loaded.tokenizer
         else:
             model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)

@@ -42,6 +42,8 @@ class LLM:
         enable_prefix_caching: bool = False,
         prefix_grouping: bool = False,
         kernel_backend: str = "auto",
+        deterministic: bool = False,
+        reduction_splits: int = 0,
     ) -> None:
         """With tensor_parallel_size × pipeline_parallel_size > 1 the engine stays in this
         process and starts that many workers under torchrun; `close()` stops them.
@@ -66,6 +68,8 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 kernel_backend=kernel_backend,
+                deterministic=deterministic,
+                reduction_splits=reduction_splits,
                 scheduler=scheduler,
                 parallel=ParallelConfig(
                     tp=tensor_parallel_size,

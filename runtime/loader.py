@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from pipeserve.kernels import kernel_ops
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.runtime.model import LlamaForCausalLM
 from pipeserve.runtime.model_config import ModelConfig
 from pipeserve.runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pipeserve.runtime.config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -80,20 +86,72 @@ def _load_gguf(path, **shard) -> LoadedModel:
 
 
 def _load_dummy(path, **shard) -> LoadedModel:
-    """Random weights of the folder's config.json shape: throughput does not depend on values."""
+    """Random weights of the folder's config.json shape (throughput does not depend on values),
+    the same for every tp/pp layout: each checkpoint tensor is drawn whole from a generator
+    seeded by its name, and TP ranks slice it as they would a checkpoint's. Tensors this stage
+    does not hold are never drawn."""
     from pipeserve.runtime.weights import build_model
 
     config = ModelConfig.from_hf_folder(path)
-    device = shard["device"]
     net = build_model(config, **shard)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for p in net.parameters():
-            if p.dim() == 1:
-                p.fill_(1.0)  # norm weights (and biases, harmlessly)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+    dtype, device = shard["dtype"], shard["device"]
+    net.load_weights(
+        (name, RandomTensor(name, shape, dtype=dtype, device=device))
+        for name, shape in hf_weight_shapes(config).items()
+    )
     return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
+
+
+class RandomTensor:
+    """A lazy checkpoint tensor: normal(0, 0.02) seeded by its name (1-D ones: norm weights,
+    and biases harmlessly). Indexing draws the whole tensor once and slices it, so a slice's
+    values do not depend on which slice a rank reads."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> None:
+        self.name, self.shape, self.dtype, self.device = name, shape, dtype, device
+        self._full: torch.Tensor | None = None
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        if self._full is None:
+            if len(self.shape) == 1:
+                self._full = torch.ones(self.shape, dtype=self.dtype, device=self.device)
+            else:
+                gen = torch.Generator(device=self.device).manual_seed(zlib.crc32(self.name.encode()))
+                self._full = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+                self._full.normal_(0.0, 0.02, generator=gen)
+        return self._full[index]
+
+
+def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a Hugging Face Llama-family checkpoint of this shape, with its shape."""
+    H, I, V, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
+        shapes |= {p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                   p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)}
+        shapes |= {p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
+                   p + "mlp.down_proj.weight": (H, I)}
+        if config.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
+    return shapes
+
+
+def set_kernels(model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> None:
+    """The engine's kernels on a loaded model: ``config.kernel_backend``, and in deterministic
+    mode the batch-invariant kernels and layout-invariant linear layers."""
+    ops = kernel_ops(config.kernel_backend, device, batch_invariant=config.deterministic)
+    model.set_ops(ops, reduction_splits=config.effective_reduction_splits)
 
 
 def read_config_and_tokenizer(model: str | None) -> tuple[ModelConfig, Tokenizer, str]:

@@ -32,6 +32,7 @@ from pipeserve.kernels import KernelOps, torch_ops
 from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.parallel.tp_layers import (
+    InvariantNumerics,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -157,6 +158,7 @@ class Attention(nn.Module):
             bias=config.o_proj_bias,
             parallel=parallel,
             cols=(heads.q_start * d, heads.q_stop * d),
+            unit=d,  # deterministic segments hold whole heads
         )
         # HF projection -> (our fused projection, its part: the loader places the rows).
         self.hf_shards = {f"{p}_proj": ("qkv_proj", p) for p in "qkv"}
@@ -316,9 +318,19 @@ class LlamaForCausalLM(nn.Module):
             x = x + residual
         return x
 
-    def set_ops(self, ops: KernelOps) -> None:
-        """Run the hot operations through ``ops`` (torch references or Triton kernels)."""
+    def set_ops(self, ops: KernelOps, *, reduction_splits: int = 1) -> None:
+        """Run the hot operations through ``ops`` (torch references or Triton kernels).
+
+        Batch-invariant ops (``kernel_ops(..., batch_invariant=True)``) also make the linear
+        layers deterministic: their matmul everywhere, row-parallel inputs reduced over
+        ``reduction_splits`` float32 segments (``InvariantNumerics``)."""
         self.ops = ops
+        numerics = None
+        if ops.matmul is not None:
+            numerics = InvariantNumerics(matmul=ops.matmul, reduction_splits=reduction_splits)
+        for module in self.modules():
+            if hasattr(module, "set_numerics"):
+                module.set_numerics(numerics)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,

@@ -19,7 +19,6 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from pipeserve.kernels import kernel_ops
 from pipeserve.parallel.context import ParallelContext, build_parallel_context
 from pipeserve.parallel.stage_plan import default_costs, plan_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
@@ -29,7 +28,7 @@ from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.cuda_graphs import GraphStep, capture_cuda_graphs
 from pipeserve.runtime.executor import spec_to_params
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from pipeserve.runtime.loader import load_model, read_config_and_tokenizer
+from pipeserve.runtime.loader import load_model, read_config_and_tokenizer, set_kernels
 from pipeserve.runtime.sampler import Sampler, make_generator
 
 EXIT_ENGINE_LOST = 3
@@ -52,7 +51,7 @@ class Worker:
         loaded = load_model(config.model, dtype=self.dtype, device=device, start_layer=start,
                             end_layer=end, load_format=config.load_format, parallel=ctx)
         self.model, self.model_config = loaded.model, loaded.config
-        self.model.set_ops(kernel_ops(config.kernel_backend, device))
+        set_kernels(self.model, config, device)
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
         self.num_layers = end - start
         self.num_kv_blocks = self._agree_on_kv_blocks()

@@ -231,3 +231,54 @@ def test_gpu_float32_triton_model_matches_torch_model():
     scale = want.abs().max().item()
     diff = (got - want).abs().max().item()
     assert diff < 1e-3 * max(scale, 1.0), f"logits differ by {diff} (scale {scale}), seed {seed}"
+
+
+# The same tokens as SMALL_SCHEDULE (A 41, B 48, C 12), scheduled differently: other chunk
+# boundaries, other companions, and decode-only steps where SMALL_SCHEDULE mixes.
+OTHER_SCHEDULE = [
+    [("A", 16)],
+    [("A", 21), ("C", 9)],
+    [("B", 45)],
+    [("A", 1)],
+    [("C", 1), ("B", 1), ("A", 1)],
+    [("A", 1), ("B", 1)],
+    [("C", 1)],
+    [("A", 1), ("B", 1), ("C", 1)],
+]
+
+
+def _logits_by_token(model, ops, schedule, tokens, **case) -> dict[tuple[str, int], torch.Tensor]:
+    """{(sequence, position): that token's logits row} over a whole schedule."""
+    rows, seen = {}, {}
+    for chunks, logits in zip(schedule, _run(model, ops, schedule, tokens, **case)[0], strict=True):
+        offsets = [0]
+        for seq, n in chunks:
+            for j in range(n):
+                rows[(seq, seen.get(seq, 0) + j)] = logits[offsets[-1] + j]
+            seen[seq] = seen.get(seq, 0) + n
+            offsets.append(offsets[-1] + n)
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if torch.cuda.is_available() else [torch.float16])
+def test_batch_invariant_ops_same_bits_under_any_schedule(dtype):
+    """With the batch-invariant table (deterministic mode), every token's logits are the same
+    bits whichever micro-batches carried its prompt's chunks and its decodes. Natively on a
+    GPU this is the property cuBLAS and size-dependent tiles break."""
+    seed = random.randrange(2**31)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = _gpu_config(num_layers=2) if device == "cuda" else _config(
+        vocab_size=256, hidden_size=80, intermediate_size=136, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        original_context=32,
+    )  # fmt: skip
+    model = _random_model(config, seed=seed, std=0.05, device=device).to(dtype)
+    tokens = _tokens(SMALL_SCHEDULE, config.vocab_size, seed)
+    case = {"seed": seed, "dtype": dtype, "device": device}
+    ops = kernel_ops("triton", torch.device(device), batch_invariant=True)
+    model.set_ops(ops)  # the linear layers take the batch-invariant matmul too
+    first = _logits_by_token(model, ops, SMALL_SCHEDULE, tokens, **case)
+    second = _logits_by_token(model, ops, OTHER_SCHEDULE, tokens, **case)
+    assert first.keys() == second.keys()
+    differ = [key for key in first if not torch.equal(first[key], second[key])]
+    assert not differ, f"{len(differ)} of {len(first)} tokens differ, e.g. {differ[:3]}, seed {seed}"
