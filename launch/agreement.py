@@ -20,7 +20,8 @@ Runs the same 64 chat prompts greedily through one process and through each tp/p
 serves random weights of a benchmark shape (``load_format=dummy``: the same values in every
 layout) with plain-text prompts and ``ignore_eos``; ``--base`` is the layout the others are
 compared with (default one process; a model too large for one GPU compares with a smaller
-layout).
+layout). ``--reuse`` keeps the outputs of layouts already in ``--workdir`` (run the base on
+some GPUs while others are busy, the rest later: pass the same ``--reduction-splits``).
 """
 
 from __future__ import annotations
@@ -88,7 +89,13 @@ def _reduction_splits(args) -> int:
     """Deterministic runs share one reduction: over the largest tp compared."""
     if not args.deterministic:
         return 0
-    return max(_parse_layout(x)["tp"] for x in [args.base, *args.layouts.split(",")])
+    if args.reduction_splits:
+        return args.reduction_splits
+    return max(_parse_layout(x)["tp"] for x in [args.base, *_layouts(args)])
+
+
+def _layouts(args) -> list[str]:
+    return [x for x in args.layouts.split(",") if x]
 
 
 def compare(base: dict, other: dict) -> dict:
@@ -133,6 +140,9 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kernel-backend", default="auto", help="auto | torch | triton")
     p.add_argument("--deterministic", action="store_true", help="every layout in deterministic mode")
+    p.add_argument("--reduction-splits", type=int, default=None,
+                   help="deterministic: row-parallel segments (default the largest tp compared)")
+    p.add_argument("--reuse", action="store_true", help="keep layouts already run in --workdir")
     p.add_argument("--base", default="1", help="the layout the others are compared with")
     p.add_argument("--shape", default=None, help="random weights of this benchmark shape (llama3-8b, llama3-70b)")
     p.add_argument("--num-layers", type=int, default=None, help="--shape: layers (default the shape's)")
@@ -150,13 +160,15 @@ def main(argv=None) -> None:
     if args.shape is not None:
         child_args += ["--model", _shape_folder(args)]
     outputs = {}
-    for layout in [args.base, *args.layouts.split(",")]:
-        cmd = [sys.executable, "-m", "pipeserve.launch.agreement", *child_args, "--child", layout]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{layout}: failed\n{proc.stderr[-3000:]}", flush=True)
-            continue
-        with open(os.path.join(args.workdir, f"agree_{layout}.json")) as f:
+    for layout in [args.base, *_layouts(args)]:
+        path = os.path.join(args.workdir, f"agree_{layout}.json")
+        if not (args.reuse and os.path.exists(path)):
+            cmd = [sys.executable, "-m", "pipeserve.launch.agreement", *child_args, "--child", layout]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{layout}: failed\n{proc.stderr[-3000:]}", flush=True)
+                continue
+        with open(path) as f:
             outputs[layout] = json.load(f)
     if args.base not in outputs:
         sys.exit(f"the base layout {args.base} failed: nothing to compare against")
