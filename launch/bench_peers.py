@@ -15,6 +15,13 @@ BatchLLM-style grouping (runtime/prefix_workloads.py):
 
     python -m pipeserve.launch.bench_peers --workload mooncake \
         --systems pipeserve,pipeserve:prefix=caching,pipeserve:prefix=grouping,fastgen
+
+`--workload sharegpt` takes each request's prompt and output length from the ShareGPT trace
+(rows drawn with --seed as `pipeserve bench` draws them; random prompt token ids), capped to
+prompt + output <= the model's 8192 positions by cutting the prompt; every request makes exactly
+its own output length (EOS ignored). transformers is skipped there (one length per batch):
+
+    python -m pipeserve.launch.bench_peers --workload sharegpt --num-requests 1000 --systems pipeserve,fastgen
 """
 
 from __future__ import annotations
@@ -58,6 +65,8 @@ LLAMA3_70B = dict(
     num_key_value_heads=8,
 )
 SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
+MAX_MODEL_LEN = LLAMA3_8B["max_position_embeddings"]  # the models bench_peers writes
+GPT2_VOCAB = 50257  # prompt token ids are drawn below it
 
 
 def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int) -> list[list[int]]:
@@ -65,15 +74,46 @@ def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int
 
     rng = random.Random(seed)
     return [
-        [rng.randrange(0, 50257) for _ in range(rng.randint(min_prompt, max_prompt))]
+        [rng.randrange(0, GPT2_VOCAB) for _ in range(rng.randint(min_prompt, max_prompt))]
         for _ in range(num_requests)
     ]
 
 
+def cap_lengths(prompt_len: int, output_len: int, max_model_len: int) -> tuple[int, int]:
+    """(prompt, output) with prompt + output <= max_model_len: the output kept (at most
+    max_model_len - 1), the prompt cut to fit."""
+    output_len = min(output_len, max_model_len - 1)
+    return min(prompt_len, max_model_len - output_len), output_len
+
+
+def sharegpt_requests(num_requests: int, *, max_model_len: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    """Prompts (random token ids) and output lengths of ShareGPT trace rows, drawn with `seed` by
+    runtime/workload.py as `pipeserve bench` draws them, each capped by ``cap_lengths``."""
+    import random
+
+    from pipeserve.runtime.workload import WorkloadConfig, build_workload
+
+    specs = build_workload(WorkloadConfig(source="sharegpt", arrival="offline", num_requests=num_requests, seed=seed))
+    lengths = [cap_lengths(s.prompt_len, s.output_len, max_model_len) for s in specs]
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(0, GPT2_VOCAB) for _ in range(p)] for p, _ in lengths]
+    return prompts, [o for _, o in lengths]
+
+
+def make_requests(args) -> tuple[list[list[int]], list[int]]:
+    """The prompts of --workload and each one's output length (--output-len, or the trace's)."""
+    if args.workload == "sharegpt":
+        return sharegpt_requests(args.num_requests, max_model_len=MAX_MODEL_LEN, seed=args.seed)
+    prompts = make_prompts(args)
+    return prompts, [args.output_len] * len(prompts)
+
+
 def make_prompts(args) -> list[list[int]]:
-    """The prompts of --workload: uniform (the peers guide's), mooncake or shared_prefix."""
+    """The prompts of --workload: uniform (the peers guide's), mooncake, shared_prefix or sharegpt."""
     if args.workload == "uniform":
         return make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed)
+    if args.workload == "sharegpt":
+        return make_requests(args)[0]
     from pipeserve.runtime import prefix_workloads as P
 
     if args.workload == "mooncake":
@@ -96,6 +136,9 @@ def _workload_label(args) -> str:
         return f"Mooncake trace ({start}, {args.block_tokens}-token blocks, prompts cut to {args.max_prompt})"
     if args.workload == "shared_prefix":
         return f"{args.num_prefixes} shared prompts of {args.prefix_len} + {args.suffix_len} own tokens"
+    if args.workload == "sharegpt":
+        return (f"ShareGPT trace lengths (rows drawn with seed {args.seed}; prompt + output <= {MAX_MODEL_LEN},"
+                " longer prompts cut)")
     return f"prompts U[{args.min_prompt},{args.max_prompt}]"
 
 
@@ -128,7 +171,7 @@ def _hf_model(folder: str):
     return model.eval()
 
 
-def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, variant: str = "") -> dict:
+def run_pipeserve(folder: str, prompts: list[list[int]], output_lens: list[int], args, variant: str = "") -> dict:
     """`variant` is "" or e.g. "tp=2" / "pp=2" (several GPUs: workers under torchrun) or
     "prefix=caching" / "prefix=grouping" (automatic prefix caching; plus BatchLLM grouping)."""
     from pipeserve import LLM, SamplingParams
@@ -148,9 +191,9 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
         enable_prefix_caching=par.get("prefix", "off") in ("caching", "grouping"),
         prefix_grouping=par.get("prefix") == "grouping",
     )
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
     # Prefix workloads warm up on reversed prompts, so that nothing of the timed run is cached.
-    warm = prompts[:4] if args.workload == "uniform" else [p[::-1] for p in prompts[:4]]
+    warm = prompts[:4] if args.workload in ("uniform", "sharegpt") else [p[::-1] for p in prompts[:4]]
     llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))  # warm-up
     scheduler = getattr(llm.engine, "scheduler", None)  # in this process unless tp/pp workers
     cache_before = scheduler.prefix_cache_stats if scheduler is not None else None
@@ -162,7 +205,7 @@ def run_pipeserve(folder: str, prompts: list[list[int]], output_len: int, args, 
         outs = llm.generate(prompts, params)
     _sync()
     wall = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    assert [len(o.outputs[0].token_ids) for o in outs] == output_lens
     with open(os.path.join(folder, f"tokens_pipeserve{variant}.json"), "w") as f:
         json.dump([o.outputs[0].token_ids for o in outs], f)
     blocks = llm.engine.state.num_kv_blocks
@@ -190,9 +233,12 @@ def _profiled(fn, path: str):
     return out
 
 
-def run_transformers(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
+def run_transformers(folder: str, prompts: list[list[int]], output_lens: list[int], args) -> dict:
     import torch
 
+    if len(set(output_lens)) > 1:
+        return {"skipped": "per-request output lengths: generate() makes one length per batch"}
+    output_len = output_lens[0]
     model = _hf_model(folder)
     batch = 32
 
@@ -219,25 +265,58 @@ def run_transformers(folder: str, prompts: list[list[int]], output_len: int, arg
     return {"wall_s": time.perf_counter() - t0}
 
 
-def run_fastgen(folder: str, prompts: list[list[int]], output_len: int, args) -> dict:
+def run_fastgen(folder: str, prompts: list[list[int]], output_lens: list[int], args) -> dict:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder chokes on '9.0a'
     os.environ.setdefault("LOCAL_SIZE", "1")
     try:
         import mii
     except ImportError:
         return {"skipped": "deepspeed-mii is not installed (see ../shared/peers/README.md)"}
-    from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
-    texts = [tok.decode(p) for p in prompts]
     pipe = mii.pipeline(folder)
-    pipe(texts[:2], max_new_tokens=4, min_new_tokens=4, ignore_eos=True)  # warm-up
+    fastgen_generate(pipe, prompts[:2], [4, 4])  # warm-up
     _sync()
     t0 = time.perf_counter()
-    pipe(texts, max_new_tokens=output_len, min_new_tokens=output_len, ignore_eos=True)
+    responses = fastgen_generate(pipe, prompts, output_lens)
     _sync()
-    # The decoded text re-encodes to about, not exactly, the same prompt lengths: report both.
-    return {"wall_s": time.perf_counter() - t0, "prompt_tokens": sum(len(tok.encode(t).ids) for t in texts)}
+    wall = time.perf_counter() - t0
+    generated = [r.generated_length for r in responses]
+    # Every system is credited the requested tokens; say so where FastGen made fewer (it
+    # recomputes requests after a KV-cache deadlock and then reports only the new tokens).
+    result = {"wall_s": wall, "prompt_tokens": sum(r.prompt_length for r in responses),
+              "generated_tokens": sum(generated)}
+    if generated != output_lens:
+        result["requests_short_of_their_length"] = sum(g != n for g, n in zip(generated, output_lens))
+    return result
+
+
+def fastgen_generate(pipe, prompts: list[list[int]], output_lens: list[int]) -> list:
+    """One MII pipeline call in which request i is prompts[i] (token ids, not re-tokenized text)
+    and makes exactly output_lens[i] tokens, greedy with EOS ignored, as the other systems do.
+
+    ``pipe(texts, max_new_tokens=N, ...)`` gives every prompt the same keyword arguments. Its
+    per-request step, in deepspeed-mii 0.3.3 (the wheel the peers guide fetches), is
+    ``MIIPipeline.__call__`` -> ``self._put_request(uid, prompt, kwargs)`` with uid = the
+    prompt's index -> ``self.make_request(tid, uid, input_tokens, kwargs)``, whose kwargs
+    (``GenerateParamsConfig``) are per request; so this pipeline's ``_put_request`` is replaced,
+    for the call, by the same three lines with token ids and the request's own lengths."""
+    import queue
+
+    import torch
+
+    def put_request(uid: int, token_ids: list[int], kwargs: dict) -> None:
+        n = output_lens[uid]
+        kwargs.update(max_new_tokens=n, min_new_tokens=n, ignore_eos=True, do_sample=False)
+        pipe.result_queues[pipe.tid] = queue.Queue()
+        pipe.request_queue.put(pipe.make_request(pipe.tid, uid, torch.tensor(token_ids), kwargs))
+
+    if not callable(getattr(pipe, "_put_request", None)):
+        raise RuntimeError("this deepspeed-mii has no MIIPipeline._put_request (written against 0.3.3)")
+    pipe._put_request = put_request
+    try:
+        return pipe(prompts)
+    finally:
+        del pipe._put_request  # the class's own again
 
 
 def _sync() -> None:
@@ -263,12 +342,13 @@ def parse_args(argv=None):
     p.add_argument("--systems", default="pipeserve,transformers,fastgen",
                    help="pipeserve, pipeserve:<variant> (tp=2, pp=2, prefix=caching, prefix=grouping),"
                    " transformers, fastgen")
-    p.add_argument("--workload", default="uniform", choices=("uniform", "mooncake", "shared_prefix"),
-                   help="uniform prompt lengths (the peers guide's), or prompts that share prefixes")
+    p.add_argument("--workload", default="uniform", choices=("uniform", "mooncake", "shared_prefix", "sharegpt"),
+                   help="uniform prompt lengths (the peers guide's), prompts that share prefixes, or the"
+                   " ShareGPT trace's prompt and output lengths (--min/max-prompt, --output-len unused)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=128)
     p.add_argument("--max-prompt", type=int, default=2048)
-    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128, help="every request's output (not sharegpt)")
     p.add_argument("--block-tokens", type=int, default=512, help="mooncake: tokens per trace hash id")
     p.add_argument("--start", type=int, default=None,
                    help="mooncake: first trace row (default: the last --num-requests rows)")
@@ -291,10 +371,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    prompts = make_prompts(args)
+    prompts, output_lens = make_requests(args)
     workdir = args.workdir or tempfile.mkdtemp(prefix="pipeserve-bench-")
     if args.child:
-        result = runner(args.child)(workdir, prompts, args.output_len, args)
+        result = runner(args.child)(workdir, prompts, output_lens, args)
         print("RESULT " + json.dumps(result), flush=True)
         return
     systems = [s for s in args.systems.split(",") if s]
@@ -302,7 +382,7 @@ def main(argv=None) -> None:
     # (tp/pp must load the same weights as one GPU for their greedy tokens to be comparable).
     with_weights = args.weights or "fastgen" in systems or any(":" in s for s in systems)
     write_model_folder(workdir, args.tokenizer, num_layers=args.num_layers, with_weights=with_weights)
-    total = sum(map(len, prompts)) + args.num_requests * args.output_len
+    total = sum(map(len, prompts)) + sum(output_lens)  # the same for every system
     results = {}
     for name in systems:
         cmd = [sys.executable, "-m", "pipeserve.launch.bench_peers", *sys.argv[1:], "--child", name, "--workdir", workdir]
@@ -321,11 +401,18 @@ def main(argv=None) -> None:
             results[name] = r
         print(name, json.dumps(results[name])[:3000], flush=True)
     _greedy_agreement(workdir, results)
-    summary = _summary(results, args, total)
+    summary = _summary(results, args, total, output_lens)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "total_tokens": total, "results": results}, f, indent=1)
     print(summary)
+
+
+def _outputs_label(output_lens: list[int]) -> str:
+    lo, hi = min(output_lens), max(output_lens)
+    if lo == hi:
+        return f"{lo} out"
+    return f"{lo}-{hi} out each (mean {sum(output_lens) / len(output_lens):.0f}, {sum(output_lens)} in all)"
 
 
 def _greedy_agreement(workdir: str, results: dict) -> None:
@@ -342,13 +429,13 @@ def _greedy_agreement(workdir: str, results: dict) -> None:
             r["same_first_tokens_fraction"] = sum(a[:16] == b[:16] for a, b in zip(base, other)) / len(base)
 
 
-def _summary(results: dict, args, total: int) -> str:
+def _summary(results: dict, args, total: int, output_lens: list[int]) -> str:
     import torch
 
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     base = results.get("pipeserve", {}).get("tokens_per_s")
     rows = [f"card: {card}; {args.num_requests} requests, {_workload_label(args)}, "
-            f"{args.output_len} out, {args.num_layers} layers, {total} tokens",
+            f"{_outputs_label(output_lens)}, {args.num_layers} layers, {total} tokens",
             "| system | wall s | tokens/s | pipeserve / system |", "|---|---|---|---|"]
     for name, r in results.items():
         if "tokens_per_s" in r:
@@ -358,6 +445,8 @@ def _summary(results: dict, args, total: int) -> str:
                 extra += f" same greedy {r['same_greedy_fraction']:.0%};"
             if "prefill_saved_fraction" in r:
                 extra += f" prefill saved {r['prefill_saved_fraction']:.1%};"
+            if "requests_short_of_their_length" in r:  # credited the requested tokens all the same
+                extra += f" {r['requests_short_of_their_length']} requests short, {r['generated_tokens']} made;"
             for st in r.get("stages", []):
                 extra += f" rank{st['rank']}/stage{st['stage']} busy {st['busy_fraction']:.0%};"
             rows.append(f"| {name} | {r['wall_s']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} |{extra}")

@@ -10,7 +10,12 @@ and a decode-only step at batch 64 against the weight-read floor.
 Each step goes through the engine's ModelRunner (forward, logits, greedy sampling) exactly as
 serving runs it, CUDA graphs included; the fastest of ``--repeats`` timed runs counts.
 
-    python -m pipeserve.launch.roofline --tokenizer gpt2_tokenizer.json [--out roofline.json]
+``--profile`` then runs each step again under torch.profiler and splits its GPU kernel time
+into GEMM / attention / norm / rope / silu·mul / KV write / other (by kernel name), against the
+step's timed wall time (the gap: launch and host overhead, or an idle GPU), with the GEMMs'
+own rate: TFLOP/s in prefill, GB/s of weights in decode (and the attention's GB/s of KV).
+
+    python -m pipeserve.launch.roofline --tokenizer gpt2_tokenizer.json [--profile] [--out roofline.json]
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections import defaultdict
 
 import torch
 
@@ -48,6 +54,90 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) ->
     return 2 * n * 2 * repeats / (start.elapsed_time(end) / 1e3)
 
 
+# (category, lower-case substrings of kernel or CPU operator names); the first match wins, so an
+# attention kernel whose template arguments name cutlass types is attention, not GEMM. The
+# Triton kernels are kernels/*.py's: _paged_attention_kernel, _add_rms_norm_kernel,
+# _rope_kernel, _silu_mul_kernel, _write_kv_kernel, _matmul_kernel (batch-invariant GEMM).
+KERNEL_CATEGORIES = (
+    ("attention", ("attention", "flash_fwd", "fmha")),
+    ("norm", ("rms_norm", "layer_norm")),
+    ("rope", ("_rope", "rotary")),
+    ("silu·mul", ("silu",)),
+    ("KV write", ("write_kv", "reshape_and_cache")),
+    ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "cublas", "_matmul_kernel", "aten::mm", "aten::addmm", "aten::bmm")),
+)
+CATEGORY_ORDER = ("GEMM", "attention", "norm", "rope", "silu·mul", "KV write", "other")
+
+
+def kernel_category(name: str) -> str:
+    lower = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in lower for k in keys)), "other")
+
+
+def group_kernel_times(kernels: list[tuple[str, float]]) -> dict[str, float]:
+    """Seconds per category, in CATEGORY_ORDER, of (kernel name, seconds) pairs."""
+    totals = dict.fromkeys(CATEGORY_ORDER, 0.0)
+    for name, seconds in kernels:
+        totals[kernel_category(name)] += seconds
+    return totals
+
+
+def profiled_kernels(profiler: Profiler, seqs: list[tuple[int, int]], runs: int = 3) -> list[tuple[str, float]]:
+    """(name, seconds per step) of what a step runs, summed by name, largest first, from `runs`
+    runs under torch.profiler: GPU kernels (and copies) on CUDA, operators' self time on CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = profiler.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        profiler.time(seqs, runs - 1)  # the step `runs` times: one warm-up, runs - 1 timed
+    micros = defaultdict(float)
+    for e in prof.events():
+        if getattr(e, "is_user_annotation", False):  # a record_function range, on the GPU too: no kernel
+            continue
+        if cuda and e.device_type == DeviceType.CUDA:
+            micros[e.name] += e.time_range.elapsed_us()
+        elif not cuda and e.device_type == DeviceType.CPU:
+            micros[e.name] += e.self_cpu_time_total
+    return sorted(((name, us / 1e6 / runs) for name, us in micros.items()), key=lambda kv: -kv[1])
+
+
+def profile_cases(profiler: Profiler, cases: dict, rows: dict, shape: M.ModelShape) -> None:
+    """Adds ``profile`` to each row of ``rows`` (timed already) and prints its table."""
+    for name, seqs in cases.items():
+        kernels = profiled_kernels(profiler, seqs)
+        cats = group_kernel_times(kernels)
+        prof = {"categories_s": cats, "kernel_s": sum(cats.values()), "wall_s": rows[name]["seconds"],
+                "top_kernels": [[n, t, kernel_category(n)] for n, t in kernels[:12]]}
+        gemm_s, attn_s = cats["GEMM"] or float("nan"), cats["attention"] or float("nan")
+        if name.startswith("prefill"):  # the weights' matmuls and the LM head: attention work 0
+            prof["gemm_tflops"] = shape.flops(sum(q for _, q in seqs), 0, len(seqs)) / gemm_s / 1e12
+        else:
+            weights = shape.bytes_moved(0)
+            prof["gemm_GBps"] = weights / gemm_s / 1e9
+            prof["attention_GBps"] = (shape.bytes_moved(sum(p + q for p, q in seqs)) - weights) / attn_s / 1e9
+        rows[name]["profile"] = prof
+        print(format_profile(name, prof))
+
+
+def format_profile(name: str, prof: dict) -> str:
+    wall, kernel = prof["wall_s"], prof["kernel_s"]
+    gap = wall - kernel
+    if "gemm_tflops" in prof:
+        rate = f"GEMM {prof['gemm_tflops']:.0f} TFLOP/s"
+    else:
+        rate = f"GEMM {prof['gemm_GBps']:,.0f} GB/s of weights, attention {prof['attention_GBps']:,.0f} GB/s of KV"
+    lines = [f"\n{name}: kernels {kernel * 1e3:.3f} ms of the timed {wall * 1e3:.3f} ms; gap {gap * 1e3:.3f} ms"
+             f" ({gap / wall:.0%}: launch/host overhead or idle GPU); {rate}",
+             "| kernels | ms | share of kernel time |", "|---|---|---|"]
+    for cat, t in prof["categories_s"].items():
+        lines.append(f"| {cat} | {t * 1e3:.3f} | {t / kernel if kernel else 0:.1%} |")
+    others = [f"{n[:60]} {t * 1e3:.3f} ms" for n, t, cat in prof["top_kernels"] if cat == "other"][:3]
+    if others:
+        lines.append("largest other: " + "; ".join(others))
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokenizer", required=True)
@@ -56,6 +146,7 @@ def main(argv=None) -> None:
     p.add_argument("--kernel-backend", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--profile", action="store_true", help="then a kernel-time breakdown of each step")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
@@ -98,6 +189,8 @@ def main(argv=None) -> None:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
         print(f"| {name} | {r['seconds'] * 1e3:.2f} | {r.get('tflops', 0):.0f} | {mfu} | "
               f"{r.get('floor_seconds', 0) * 1e3:.2f} | {r.get('ratio_to_floor', 0):.2f} |")
+    if args.profile:
+        profile_cases(profiler, cases, rows, shape)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"card": card, "copy_bandwidth_Bps": bandwidth, "peak_tflops": peak_tflops,
