@@ -22,7 +22,9 @@ builds them), detokenization, stop checks and outputs are the real ones; only th
 sampling are replaced by an executor that answers every plan at once with token ids
 drawn at random from those of an English passage (real text's token frequencies; uniform draws
 from the whole vocabulary would be mostly rare, multi-byte tokens). Add ``--stop`` to give
-every request stop strings to search (ones absent from that passage: no request may finish).
+every request stop strings to search (ones absent from that passage: no request may finish), and
+``--output-kind final_only`` to time requests whose outputs are built only at the end (as for
+non-streaming requests).
 """
 
 from __future__ import annotations
@@ -40,11 +42,12 @@ from collections.abc import Callable
 import torch
 
 from pipeserve.parallel.wire import BlockTableDiffer, SamplingSpec, SeqPlan, StepPlan, encode
-from pipeserve.runtime.batch import StepInputs, to_tensors
+from pipeserve.runtime.batch import BlockTableArray, StepInputs, to_tensors
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine import LLMEngine
 from pipeserve.runtime.executor import Sampled, SampleRequest
 from pipeserve.runtime.loader import LoadedModel, read_config_and_tokenizer
+from pipeserve.runtime.outputs import RequestOutputKind
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
 
@@ -80,8 +83,12 @@ def fake_samples(out: SchedulerOutput) -> dict[str, int]:
 
 
 def local_plan_builder(block_size: int) -> PlanBuilder:
+    """What LocalExecutor does before a forward (its block-table array persists across steps)."""
+    tables = BlockTableArray()
+
     def build(out: SchedulerOutput) -> object:
-        return to_tensors(StepInputs.from_scheduler_output(out), block_size=block_size, device=torch.device("cpu"))
+        step = StepInputs.from_scheduler_output(out, tables)
+        return to_tensors(step, block_size=block_size, device=torch.device("cpu"))
 
     return build
 
@@ -144,12 +151,14 @@ class InstantExecutor:
 
     def __init__(self, token_ids: list[int], *, block_size: int, seed: int = 0) -> None:
         self.token_ids = token_ids
-        self.build_inputs = local_plan_builder(block_size)
+        self.block_size = block_size
+        self.block_tables = BlockTableArray()
         self.rng = random.Random(seed)
         self._done: dict[int, Sampled] = {}
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
-        self.build_inputs(plan)
+        step = StepInputs.from_scheduler_output(plan, self.block_tables)
+        to_tensors(step, block_size=self.block_size, device=torch.device("cpu"))
         self._done[plan.step_id] = Sampled({rid: self.rng.choice(self.token_ids) for rid in samples}, {})
 
     def result(self, plan: SchedulerOutput) -> Sampled:
@@ -159,7 +168,7 @@ class InstantExecutor:
         return [0.0]
 
     def free(self, request_id: str) -> None:
-        pass
+        self.block_tables.free(request_id)
 
     def idle(self) -> None:
         pass
@@ -173,12 +182,13 @@ class _NoModel:
 
     ops = argparse.Namespace(name="none")
 
-    def set_ops(self, ops) -> None:
+    def set_ops(self, ops, **options) -> None:
         pass
 
 
 def make_engine(num_requests: int, prompt_len: int, num_steps: int, *, block_size: int,
-                prefix_caching: bool, stop: list[str]) -> LLMEngine:
+                prefix_caching: bool, stop: list[str],
+                output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> LLMEngine:
     """An engine over InstantExecutor whose requests are all running decodes (prefills done)."""
     model_config, tokenizer, path = read_config_and_tokenizer(None)
     max_model_len = prompt_len + block_size + 2 * num_steps + 8
@@ -197,7 +207,7 @@ def make_engine(num_requests: int, prompt_len: int, num_steps: int, *, block_siz
     params = SamplingParams(max_tokens=max_model_len - prompt_len - block_size, stop=stop)
     for i in range(num_requests):
         prompt = [rng.randrange(1000, 30000) for _ in range(prompt_len + i % block_size)]
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(str(i), prompt, params, output_kind=output_kind)
     engine.step()  # all prefills, in one step
     assert engine.scheduler.num_running == num_requests
     return engine
@@ -229,6 +239,8 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--plan", choices=("local", "wire", "none", "engine"), default="local")
     parser.add_argument("--stop", nargs="*", default=[], help="stop strings of every request (--plan engine)")
+    parser.add_argument("--output-kind", choices=[k.name.lower() for k in RequestOutputKind], default="cumulative",
+                        help="which outputs step() builds (--plan engine)")
     parser.add_argument("--prefix-caching", action="store_true")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu",
                         help="this process's CPU time (default; robust on a shared host) or wall time")
@@ -238,7 +250,8 @@ def main() -> None:
     for n in args.num_requests:
         if args.plan == "engine":
             engine = make_engine(n, args.prompt_len, args.steps, block_size=args.block_size,
-                                 prefix_caching=args.prefix_caching, stop=args.stop)
+                                 prefix_caching=args.prefix_caching, stop=args.stop,
+                                 output_kind=RequestOutputKind[args.output_kind.upper()])
             scheduler = engine.scheduler
             run = functools.partial(time_engine_steps, engine)
         else:

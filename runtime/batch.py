@@ -1,7 +1,8 @@
 """The host-side description of one micro-batch, and its conversion to model inputs.
 
-`StepInputs` holds plain lists only (what a control-plane plan can carry); `to_tensors`
-turns it into the packed, padding-free tensors one forward pass takes.
+`StepInputs` holds plain lists (what a control-plane plan can carry), and, in the engine's own
+process, the padded block tables a `BlockTableArray` keeps across steps; `to_tensors` turns it
+into the packed, padding-free tensors one forward pass takes.
 """
 
 from __future__ import annotations
@@ -24,21 +25,30 @@ class StepInputs:
     start_positions: list[int]  # [S] position of each sequence's first new token
     block_tables: list[list[int]]  # [S][blocks]
     needs_sample: list[bool]  # [S] does this step end at the sequence's last known token
+    padded_block_tables: np.ndarray | None = None
+    """[S, max blocks] int64, ``block_tables`` padded with 0, where a ``BlockTableArray`` holds
+    them already; None: ``to_tensors`` pads ``block_tables`` itself."""
 
     @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput) -> StepInputs:
+    def from_scheduler_output(cls, out: SchedulerOutput, tables: BlockTableArray | None = None) -> StepInputs:
+        """The step's inputs; with ``tables``, the padded block tables come from (and update) it."""
+        scheduled = out.scheduled
         token_ids: list[int] = []
-        for s in out.scheduled:
+        for s in scheduled:
             start = s.num_computed_tokens
             token_ids.extend(s.request.token_ids_between(start, start + s.num_scheduled_tokens))
-        return cls(
-            request_ids=[s.request.request_id for s in out.scheduled],
+        step = cls(
+            request_ids=[s.request.request_id for s in scheduled],
             token_ids=token_ids,
-            query_lens=[s.num_scheduled_tokens for s in out.scheduled],
-            start_positions=[s.num_computed_tokens for s in out.scheduled],
-            block_tables=[s.block_table for s in out.scheduled],
-            needs_sample=[s.needs_sample for s in out.scheduled],
+            query_lens=[s.num_scheduled_tokens for s in scheduled],
+            start_positions=[s.num_computed_tokens for s in scheduled],
+            block_tables=[s.block_table for s in scheduled],
+            needs_sample=[s.needs_sample for s in scheduled],
         )
+        if tables is not None:
+            restarts = [s.request.num_preemptions for s in scheduled]
+            step.padded_block_tables = tables.gather(step.request_ids, step.block_tables, restarts)
+        return step
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +79,9 @@ def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> Mo
     # positions: for each sequence, start .. start+q_len-1
     seq_of_token = np.repeat(np.arange(len(q_lens)), q_lens)
     positions = starts[seq_of_token] + (np.arange(query_start[-1]) - query_start[seq_of_token])
-    tables = _pad_block_tables(step.block_tables)
+    tables = step.padded_block_tables
+    if tables is None:
+        tables = _pad_block_tables(step.block_tables)
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -104,3 +116,83 @@ def _pad_block_tables(block_tables: list[list[int]]) -> np.ndarray:
         itertools.chain.from_iterable(block_tables), dtype=np.int64, count=int(num_blocks.sum())
     )
     return tables
+
+
+class BlockTableArray:
+    """The block tables of live requests as rows of one int64 array, kept across steps.
+
+    A step writes only what changed (a table that grew, or the whole table of a new or
+    restarted request) and then gathers its rows, instead of converting every block id of every
+    table from Python ints (as the torchrun workers' mirrors are fed diffs). A table only
+    grows while its request lives; a request's ``num_preemptions`` ("restarts") tells a table
+    rebuilt after preemption from one that grew. Call ``free`` when a request finishes.
+    """
+
+    def __init__(self) -> None:
+        self._rows = _RowIds()
+        self._array = np.zeros((0, 1), dtype=np.int64)  # [rows, blocks], 0 past each table
+        self._num_blocks = np.zeros(0, dtype=np.int64)  # [rows] blocks written
+        self._restarts = np.zeros(0, dtype=np.int64)  # [rows] num_preemptions when written
+
+    def gather(self, request_ids: list[str], block_tables: list[list[int]], restarts: list[int]) -> np.ndarray:
+        """[S, max blocks] int64 (at least one column), each table padded with 0."""
+        n = len(request_ids)
+        rows = np.fromiter(map(self._rows.__getitem__, request_ids), dtype=np.int64, count=n)
+        num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
+        restarts_now = np.asarray(restarts, dtype=np.int64)
+        width = max(int(num_blocks.max(initial=0)), 1)
+        self._reserve(self._rows.num_rows, width)
+        stale = (num_blocks != self._num_blocks[rows]) | (restarts_now != self._restarts[rows])
+        for i in np.flatnonzero(stale).tolist():
+            self._write(int(rows[i]), block_tables[i], restarts[i])
+        return self._array[rows, :width]
+
+    def free(self, request_id: str) -> None:
+        """Forget a finished request (unknown ids are ignored); its row is reused."""
+        row = self._rows.pop(request_id, None)
+        if row is not None:
+            self._rows.free.append(row)
+            self._array[row] = 0
+            self._num_blocks[row] = 0
+            self._restarts[row] = 0
+
+    def _write(self, row: int, table: list[int], restarts: int) -> None:
+        start = int(self._num_blocks[row])
+        if restarts != self._restarts[row] or start > len(table):  # a new table, not a grown one
+            self._array[row] = 0
+            start = 0
+        self._array[row, start : len(table)] = table[start:]
+        self._num_blocks[row] = len(table)
+        self._restarts[row] = restarts
+
+    def _reserve(self, num_rows: int, width: int) -> None:
+        """Grow the arrays (doubling) to hold ``num_rows`` rows of ``width`` blocks."""
+        rows, cols = self._array.shape
+        if num_rows <= rows and width <= cols:
+            return
+        new_rows = rows if num_rows <= rows else max(num_rows, 2 * rows)
+        new_cols = cols if width <= cols else max(width, 2 * cols)
+        array = np.zeros((new_rows, new_cols), dtype=np.int64)
+        array[:rows, :cols] = self._array
+        self._array = array
+        grown = np.zeros(new_rows - rows, dtype=np.int64)
+        self._num_blocks = np.concatenate([self._num_blocks, grown])
+        self._restarts = np.concatenate([self._restarts, grown])
+
+
+class _RowIds(dict):
+    """request id -> row of a BlockTableArray; an unknown id takes a free row (or a new one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.free: list[int] = []
+
+    @property
+    def num_rows(self) -> int:
+        """Rows handed out so far: those in use and the free ones."""
+        return len(self) + len(self.free)
+
+    def __missing__(self, request_id: str) -> int:
+        row = self.free.pop() if self.free else self.num_rows
+        self[request_id] = row
+        return row

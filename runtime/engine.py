@@ -29,7 +29,7 @@ from pipeserve.runtime.executor import (
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from pipeserve.runtime.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
 from pipeserve.runtime.model_runner import ModelRunner
-from pipeserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pipeserve.runtime.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
 from pipeserve.runtime.sampler import make_generator
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.runtime.stop import check_stop
@@ -54,6 +54,7 @@ class _RequestState:
     generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     text: str = ""
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
@@ -160,8 +161,10 @@ class LLMEngine:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> None:
-        """Adds one sequence (n is expanded by the caller). ValueError leaves the engine untouched."""
+        """Adds one sequence (n is expanded by the caller). ValueError leaves the engine untouched.
+        ``output_kind``: whether step() returns its output after every token or only at the end."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, max_tokens = self.validate(prompt, params)
@@ -175,6 +178,7 @@ class LLMEngine:
             generator=make_generator(params.seed, self.state.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
             metrics=RequestMetrics(arrival_time=arrival),
+            output_kind=output_kind,
             logprobs=[] if params.logprobs is not None else None,
         )
         self._unscheduled.add(request_id)
@@ -197,7 +201,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Keeps up to `max_in_flight` micro-batches in the pipeline, then completes the oldest;
-        returns the outputs of the requests that gained a token."""
+        returns the outputs of the requests that gained a token (FINAL_ONLY ones: that finished)."""
         self._fill_pipeline()
         if not self._in_flight:
             if self.scheduler.has_unfinished_requests():
@@ -212,7 +216,9 @@ class LLMEngine:
         if self.step_done_times is not None:
             self.step_done_times[plan.step_id] = time.monotonic()
         updated = self.scheduler.update(plan, sampled.token_ids)
-        return [self._postprocess(req, sampled.logprobs.get(req.request_id)) for req in updated]
+        now = time.monotonic()  # every token of this step arrived at once
+        outputs = (self._postprocess(req, sampled.logprobs.get(req.request_id), now) for req in updated)
+        return [out for out in outputs if out is not None]
 
     def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self.executor.max_in_flight:
@@ -246,13 +252,14 @@ class LLMEngine:
                 self._unscheduled.remove(s.request_id)
                 self._requests[s.request_id].metrics.first_scheduled_time = now
 
-    def _postprocess(self, req: Request, logprobs: dict[int, float] | None) -> RequestOutput:
+    def _postprocess(self, req: Request, logprobs: dict[int, float] | None, now: float) -> RequestOutput | None:
+        """Takes the request's new token; its output, or None while a FINAL_ONLY one runs."""
         state = self._requests[req.request_id]
         token = req.output_token_ids[-1]
-        now = time.monotonic()
-        if state.metrics.first_token_time is None:
-            state.metrics.first_token_time = now
-        state.metrics.token_times.append(now)
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
         state.output_token_ids.append(token)
         if state.logprobs is not None and logprobs is not None:
             state.logprobs.append(logprobs)
@@ -268,9 +275,11 @@ class LLMEngine:
         state.text = text
         if reason is not None:
             state.finish_reason, state.stop_reason = reason, stop_reason
-            state.metrics.finished_time = now
+            metrics.finished_time = now
             self.scheduler.finish_request(req.request_id, _FINISH_STATUS[reason])
             self.executor.free(req.request_id)
+        elif state.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
         return self._output(req.request_id, state)
 
     def _output(self, request_id: str, st: _RequestState) -> RequestOutput:
@@ -282,18 +291,11 @@ class LLMEngine:
         else:  # copies, so that an output handed out earlier never changes
             token_ids = token_ids.copy()
             logprobs = None if logprobs is None else logprobs.copy()
-        completion = CompletionOutput(
-            index=0, text=st.text, token_ids=token_ids, finish_reason=st.finish_reason,
-            logprobs=logprobs, stop_reason=st.stop_reason,
-        )
+        # Positional, in field order: keyword arguments would double the cost of these two
+        # objects, built for every request on every step.
+        completion = CompletionOutput(0, st.text, token_ids, st.finish_reason, logprobs, st.stop_reason)
         return RequestOutput(
-            request_id=request_id,
-            prompt=st.prompt,
-            prompt_token_ids=st.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            metrics=st.metrics,
-            error=st.error,
+            request_id, st.prompt, st.prompt_token_ids, [completion], finished, st.metrics, st.error
         )
 
     def take_aborted(self, request_id: str) -> RequestOutput:

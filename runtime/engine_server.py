@@ -48,7 +48,7 @@ from pipeserve.parallel.wire import (
 from pipeserve.runtime.config import engine_config_from_dict
 from pipeserve.runtime.engine import LLMEngine
 from pipeserve.runtime.executor import WorkerFailure
-from pipeserve.runtime.outputs import RequestMetrics, RequestOutput
+from pipeserve.runtime.outputs import RequestMetrics, RequestOutput, RequestOutputKind
 from pipeserve.runtime.sampling_params import SamplingParams
 
 
@@ -169,7 +169,10 @@ class EngineServer:
                 raise ValueError("the server is shutting down")
             params = SamplingParams(**msg.params)
             prompt = msg.prompt if msg.prompt is not None and not msg.prompt_token_ids else msg.prompt_token_ids
-            self.engine.add_request(msg.request_id, prompt, params)
+            # A non-streaming request is sent once, at the end: the engine need not build the
+            # output of every token.
+            kind = RequestOutputKind.CUMULATIVE if msg.stream else RequestOutputKind.FINAL_ONLY
+            self.engine.add_request(msg.request_id, prompt, params, output_kind=kind)
         except (ValueError, TypeError) as e:
             self._send(RequestUpdate(request_id=msg.request_id, token_ids=[], text="",
                                      finish_reason="error", error=str(e)))

@@ -28,7 +28,7 @@ from pipeserve.parallel.wire import (
     StepResult,
     WorkerError,
 )
-from pipeserve.runtime.batch import StepInputs
+from pipeserve.runtime.batch import BlockTableArray, StepInputs
 from pipeserve.runtime.model_runner import ModelRunner
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.scheduler import SchedulerOutput
@@ -63,10 +63,11 @@ class LocalExecutor:
         self.eos_token_ids = eos_token_ids
         self._done: dict[int, Sampled] = {}
         self._busy_s = 0.0
+        self._block_tables = BlockTableArray()
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
         t0 = time.perf_counter()
-        step = StepInputs.from_scheduler_output(plan)
+        step = StepInputs.from_scheduler_output(plan, self._block_tables)
         ids = [s.request_id for s in plan.scheduled if s.needs_sample]
         reqs = [samples[rid] for rid in ids]
         out = self.runner.execute(
@@ -92,7 +93,7 @@ class LocalExecutor:
         return [self._busy_s]
 
     def free(self, request_id: str) -> None:
-        pass
+        self._block_tables.free(request_id)
 
     def idle(self) -> None:
         pass

@@ -2,7 +2,22 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs ``LLMEngine.step()`` returns for a request."""
+
+    CUMULATIVE = enum.auto()
+    """One after every step that adds a token, with everything so far (the default)."""
+    FINAL_ONLY = enum.auto()
+    """Only the last one, once the request finishes: for callers that read nothing before that
+    (non-streaming requests), which then cost no output per token."""
+
+
+# The engine builds CompletionOutput and RequestOutput with positional arguments, once per
+# request per step: keep their fields in this order.
 
 
 @dataclass(slots=True)

@@ -154,6 +154,14 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens)  # positional: keywords cost ~1 µs here
 
+    @cached_property
+    def concatenates_token_texts(self) -> bool:
+        """Is ``decode(ids)`` the concatenation of each id's ``token_text`` whenever none of those
+        holds U+FFFD? True for a byte-level decoder, which joins every token's own bytes (so
+        complete characters stay as they are); False where a token's text depends on its left
+        context (e.g. SentencePiece's Metaspace strips the leading space of the first token)."""
+        return isinstance(self.backend.decoder, decoders.ByteLevel)
+
     def token_text(self, token_id: int, skip_special_tokens: bool = True) -> str:
         """``decode([token_id])``, cached (at most one entry per vocabulary token)."""
         texts = self._token_texts[skip_special_tokens]
@@ -225,7 +233,26 @@ class IncrementalDetokenizer:
     def step(self, new_token_id: int) -> str:
         """Add one token; return the text it finalizes ("" while a character is incomplete)."""
         self._ids.append(new_token_id)
-        return self._emit(hold_incomplete=True)
+        delta = self._token_delta()
+        if delta is None:
+            return self._emit(hold_incomplete=True)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self._ids)
+        self._text += delta
+        return delta
+
+    def _token_delta(self) -> str | None:
+        """What ``_emit`` would return, without decoding, in the usual case: the window is the
+        last token emitted and the new one, and the tokenizer concatenates complete token texts
+        (then decode(window) == text(previous) + text(new)). None otherwise."""
+        if len(self._ids) - self.read_offset != 1 or self.read_offset - self.prefix_offset != 1:
+            return None
+        tokenizer, skip = self.tokenizer, self.skip_special_tokens
+        if not tokenizer.concatenates_token_texts:
+            return None
+        new_text = tokenizer.token_text(self._ids[-1], skip)
+        if not new_text or "\ufffd" in new_text or "\ufffd" in tokenizer.token_text(self._ids[-2], skip):
+            return None  # nothing new (_emit keeps its offsets), or an incomplete character
+        return new_text
 
     def flush(self) -> str:
         """Return any held-back text (call when the sequence finishes)."""

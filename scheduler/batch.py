@@ -25,14 +25,15 @@ the block check; see ``prefix_tree.GroupAdmission``."""
 
 @dataclass(slots=True)
 class ScheduledRequest:
-    """One request's chunk in a micro-batch."""
+    """One request's chunk in a micro-batch (built with positional arguments: keep the order)."""
 
     request: Request
     num_scheduled_tokens: int
     num_computed_tokens: int
     """Computed (or in-flight) tokens before this step: the position of the first new token."""
     block_table: list[int]
-    """Snapshot of the request's blocks after allocation; covers ``context_len`` slots."""
+    """Snapshot of the request's blocks after allocation; covers ``context_len`` slots. Shared
+    with other steps' snapshots while the table does not grow: never mutate it."""
     needs_sample: bool
     """The chunk reaches the end of the known tokens, so one token must be sampled for it."""
 
@@ -94,6 +95,7 @@ class BatchBuilder:
         self._select_victim = select_victim
         self._allow_prompt_over_budget = allow_prompt_over_budget
         self._consecutive_ok = config.allow_same_request_in_consecutive_chunks
+        self._caching = block_manager.enable_caching
         self._now = now
         self._admission_gate = admission_gate
         self._peeked: list[Request] = []
@@ -136,16 +138,7 @@ class BatchBuilder:
 
     def chunk_size(self, request: Request) -> int:
         """Most tokens of ``request`` that fit this micro-batch's token (or time) budget."""
-        config = self.config  # (called once per decode per step: reads the budgets directly)
-        limit = min(request.num_remaining_tokens, config.max_num_batched_tokens - self.num_tokens)
-        if limit <= 0 or len(self.scheduled) >= config.max_num_seqs:
-            return 0
-        budget = config.time_budget_s
-        if budget is None:
-            return limit
-        n = self._largest_within_time(request.num_computed_tokens, limit, budget)
-        # An empty micro-batch must make progress even if one token overshoots the budget.
-        return n if n > 0 or self.scheduled else 1
+        return self._fit(request, request.num_remaining_tokens)
 
     def fits_whole(self, request: Request) -> bool:
         """Can all of ``request``'s remaining tokens join (whole-prompt policies)?"""
@@ -187,6 +180,17 @@ class BatchBuilder:
 
     # ---- moves ----------------------------------------------------------------------------
 
+    def schedule_decodes(self) -> None:
+        """One token for each schedulable running decode, in arrival order, while the budgets
+        allow: most of every step, so done in one pass (``running_decodes`` has checked what
+        ``schedule_running`` asserts)."""
+        for request in self.running_decodes():
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier decode's blocks
+            if self._fit(request, 1) == 0:
+                return
+            self._schedule(request, 1)
+
     def schedule_running(self, request: Request, num_tokens: int) -> bool:
         """Schedule ``num_tokens`` of a running request, preempting others for blocks if needed.
 
@@ -194,16 +198,7 @@ class BatchBuilder:
         request itself was the victim.
         """
         assert 1 <= num_tokens <= request.num_remaining_tokens and self._is_unblocked(request), request
-        context_len = request.num_computed_tokens + num_tokens
-        while not self.block_manager.try_append(request.request_id, context_len):
-            victim = self._select_victim(self._victim_candidates())
-            if victim is None:
-                return False
-            self._preempt(victim)
-            if victim is request:
-                return False
-        self._add(request, num_tokens)
-        return True
+        return self._schedule(request, num_tokens)
 
     def admit(self, request: Request, num_tokens: int) -> bool:
         """Move the head of the waiting queue to running with a first chunk of ``num_tokens``.
@@ -240,6 +235,32 @@ class BatchBuilder:
 
     # ---- internals ------------------------------------------------------------------------
 
+    def _fit(self, request: Request, num_tokens: int) -> int:
+        """Most of ``num_tokens`` more tokens of ``request`` that fit the budgets."""
+        config = self.config
+        limit = min(num_tokens, config.max_num_batched_tokens - self.num_tokens)
+        if limit <= 0 or len(self.scheduled) >= config.max_num_seqs:
+            return 0
+        budget = config.time_budget_s
+        if budget is None:
+            return limit
+        n = self._largest_within_time(request.num_computed_tokens, limit, budget)
+        # An empty micro-batch must make progress even if one token overshoots the budget.
+        return n if n > 0 or self.scheduled else 1
+
+    def _schedule(self, request: Request, num_tokens: int) -> bool:
+        """schedule_running without its precondition checks."""
+        context_len = request.num_computed_tokens + num_tokens
+        while not self.block_manager.try_append(request.request_id, context_len):
+            victim = self._select_victim(self._victim_candidates())
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        self._add(request, num_tokens)
+        return True
+
     def _is_unblocked(self, request: Request) -> bool:
         """Running, not awaiting its sampled token, not in this batch already, and not behind
         an in-flight chunk (unless consecutive chunks are allowed)."""
@@ -274,20 +295,15 @@ class BatchBuilder:
         if num_tokens > self.token_budget_left:
             assert self._may_exceed_budget(), "token budget exceeded"
             self.num_over_budget_tokens = num_tokens
-        computed = request.num_computed_tokens
+        request_id, computed = request.request_id, request.num_computed_tokens
         context_len = computed + num_tokens
-        needs_sample = num_tokens == request.num_remaining_tokens
-        self.scheduled.append(
-            ScheduledRequest(
-                request=request,
-                num_scheduled_tokens=num_tokens,
-                num_computed_tokens=computed,
-                block_table=self.block_manager.block_table(request.request_id),
-                needs_sample=needs_sample,
-            )
-        )
-        self._ids.add(request.request_id)
-        self.block_manager.note_scheduled(request, context_len)
+        needs_sample = context_len == request.num_tokens
+        table = self.block_manager.table_snapshot(request_id)
+        # Positional: keyword arguments would double the cost of this, once per sequence.
+        self.scheduled.append(ScheduledRequest(request, num_tokens, computed, table, needs_sample))
+        self._ids.add(request_id)
+        if self._caching:
+            self.block_manager.note_scheduled(request, context_len)
         request.num_computed_tokens = context_len  # in flight from now on
         request.num_inflight_chunks += 1
         request.awaiting_token = needs_sample

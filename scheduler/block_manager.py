@@ -35,6 +35,8 @@ class _Seq:
     table: list[int]
     num_committed: int = 0
     num_scheduled: int = 0
+    snapshot: list[int] | None = None
+    """A copy of ``table`` handed out by ``table_snapshot``; None once the table has changed."""
 
 
 class BlockManager:
@@ -87,6 +89,14 @@ class BlockManager:
     def block_table(self, request_id: str) -> list[int]:
         """A copy of the request's block ids, in position order."""
         return list(self._seqs[request_id].table)
+
+    def table_snapshot(self, request_id: str) -> list[int]:
+        """The request's block ids as one list shared by every caller until the table grows
+        (a decode's grows once every block_size steps): read it, never mutate it."""
+        seq = self._seqs[request_id]
+        if seq.snapshot is None:
+            seq.snapshot = list(seq.table)
+        return seq.snapshot
 
     def num_table_blocks(self, request_id: str) -> int:
         return len(self._seqs[request_id].table)
@@ -268,7 +278,9 @@ class BlockManager:
                 f"request {request_id!r} needs {num_new} blocks, {self.num_free_blocks} free"
             )
         new = [self._take() for _ in range(num_new)]
-        self._seqs[request_id].table.extend(new)
+        seq = self._seqs[request_id]
+        seq.table.extend(new)
+        seq.snapshot = None
         self._assert_counts()
         return new
 

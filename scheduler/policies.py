@@ -28,16 +28,6 @@ class Policy(abc.ABC):
         return candidates[-1] if candidates else None
 
 
-def schedule_decodes(batch: BatchBuilder) -> None:
-    """One token for each running decode, in arrival order, while the budgets allow."""
-    for request in batch.running_decodes():
-        if request.status is not RequestStatus.RUNNING:
-            continue  # preempted for an earlier decode's blocks
-        if batch.chunk_size(request) == 0:
-            break
-        batch.schedule_running(request, 1)
-
-
 def admit_whole_prompts(batch: BatchBuilder) -> None:
     """Admit waiting requests FCFS, each whole, until the first that does not fit."""
     while (request := batch.peek_waiting()) is not None:
@@ -54,7 +44,7 @@ class SarathiPolicy(Policy):
     chunks_prompts = True
 
     def schedule(self, batch: BatchBuilder) -> None:
-        schedule_decodes(batch)
+        batch.schedule_decodes()
         for request in batch.running_prefills():
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier request's blocks
@@ -83,7 +73,7 @@ class VllmPolicy(Policy):
         if self._can_admit_head(batch):
             admit_whole_prompts(batch)
         else:
-            schedule_decodes(batch)
+            batch.schedule_decodes()
 
     @staticmethod
     def _can_admit_head(batch: BatchBuilder) -> bool:
@@ -100,7 +90,7 @@ class OrcaPolicy(Policy):
     name = "orca"
 
     def schedule(self, batch: BatchBuilder) -> None:
-        schedule_decodes(batch)
+        batch.schedule_decodes()
         admit_whole_prompts(batch)
 
 
@@ -112,7 +102,7 @@ class FasterTransformerPolicy(Policy):
 
     def schedule(self, batch: BatchBuilder) -> None:
         if batch.running:
-            schedule_decodes(batch)
+            batch.schedule_decodes()
         else:
             admit_whole_prompts(batch)
 

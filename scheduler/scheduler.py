@@ -213,10 +213,11 @@ class Scheduler:
         request = scheduled.request
         # The chunk that asked for this token is the request's latest: nothing of it was
         # scheduled since (it was awaiting) and it was not preempted (in flight).
-        assert request.num_computed_tokens == scheduled.context_len == request.num_tokens
+        num_tokens = request.num_tokens + 1  # with the new token
+        assert request.num_computed_tokens == scheduled.context_len == num_tokens - 1
         request.output_token_ids.append(token_id)
         request.awaiting_token = False
-        if request.num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.config.max_model_len:
             self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     def _check_output(self, output: SchedulerOutput, batch: BatchBuilder) -> None:

@@ -29,6 +29,21 @@ def test_block_table_is_a_copy():
     assert len(bm.block_table("a")) == 1
 
 
+def test_table_snapshot_is_shared_until_the_table_grows():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    bm.allocate("a", 2)
+    first = bm.table_snapshot("a")
+    assert bm.table_snapshot("a") is first and bm.try_append("a", 2)  # no new block: same list
+    assert bm.table_snapshot("a") is first
+    assert bm.try_append("a", 3)
+    grown = bm.table_snapshot("a")
+    assert grown == bm.block_table("a") and len(grown) == 2
+    assert first == grown[:1]  # a snapshot handed out earlier never changes
+    bm.free("a")
+    bm.allocate("a", 2)
+    assert bm.table_snapshot("a") == bm.block_table("a") and bm.table_snapshot("a") is not first
+
+
 def test_exhaustion():
     bm = BlockManager(num_blocks=3, block_size=2)
     bm.allocate("a", 4)

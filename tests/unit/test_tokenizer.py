@@ -301,15 +301,16 @@ def test_token_text_is_the_decode_of_one_token(ours, reference, skip_special_tok
             [token], skip_special_tokens=skip_special_tokens)
 
 
-def _reference_stream(backend: BackendTokenizer, prompt: list[int], output: list[int]) -> list[str]:
+def _reference_stream(backend: BackendTokenizer, prompt: list[int], output: list[int],
+                      skip_special_tokens: bool = True) -> list[str]:
     """The vLLM incremental scheme with two full decodes per token (no caching), on the
     `tokenizers` backend directly."""
     ids, deltas = prompt[-5:], []
     prefix, read = 0, len(ids)
     for token in output:
         ids.append(token)
-        prefix_text = backend.decode(ids[prefix:read], skip_special_tokens=True)
-        new_text = backend.decode(ids[prefix:], skip_special_tokens=True)
+        prefix_text = backend.decode(ids[prefix:read], skip_special_tokens=skip_special_tokens)
+        new_text = backend.decode(ids[prefix:], skip_special_tokens=skip_special_tokens)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             deltas.append(new_text[len(prefix_text):])
             prefix, read = read, len(ids)
@@ -328,3 +329,46 @@ def test_incremental_detokenizer_matches_uncached_reference_on_random_tokens(our
         output = [rng.randrange(ours.vocab_size) for _ in range(200)]
         detok = IncrementalDetokenizer(ours, prompt)
         assert [detok.step(t) for t in output] == _reference_stream(ours.backend, prompt, output)
+
+
+@needs_smollm2
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenizer_matches_uncached_reference_on_mixed_tokens(ours, skip_special_tokens):
+    # Mostly whole-character text tokens (the decode-free path), with special tokens, lone
+    # bytes of multi-byte characters and random vocabulary entries mixed in.
+    import random
+
+    rng = random.Random(1)
+    text_ids = ours.encode(" ".join(STREAM_TEXTS + TEXTS), add_special_tokens=False)
+    odd_ids = [*ours.all_special_ids, ours.backend.token_to_id("ð"), ours.backend.token_to_id("Ã")]
+    prompt = ours.encode("Write something.")
+    assert ours.concatenates_token_texts
+    for _ in range(5):
+        output = [rng.choice(text_ids) if rng.random() < 0.8 else
+                  rng.choice(odd_ids) if rng.random() < 0.5 else rng.randrange(ours.vocab_size)
+                  for _ in range(300)]
+        detok = IncrementalDetokenizer(ours, prompt, skip_special_tokens=skip_special_tokens)
+        deltas = [detok.step(t) for t in output]
+        assert deltas == _reference_stream(ours.backend, prompt, output, skip_special_tokens)
+        assert detok.text + detok.flush() == ours.decode(prompt[-5:] + output, skip_special_tokens)[
+            len(ours.decode(prompt[-5:], skip_special_tokens)):]
+
+
+def test_incremental_detokenizer_decodes_context_dependent_tokens(tmp_path):
+    # A SentencePiece-style decoder drops the leading space of the first token it decodes, so a
+    # token's text alone is not what it adds to the stream: every step must decode its window.
+    from tokenizers import decoders, models, trainers
+
+    backend = BackendTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    backend.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_hf_folder(str(tmp_path))
+    assert not tok.concatenates_token_texts
+    prompt = tok.encode("Hello world")
+    output = tok.encode(" ".join(TINY_TEXTS[:4]))
+    detok = IncrementalDetokenizer(tok, prompt)
+    deltas = [detok.step(t) for t in output]
+    assert deltas == _reference_stream(tok.backend, prompt, output)
+    assert " " in "".join(deltas)  # spaces between words survive
