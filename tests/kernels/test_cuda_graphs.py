@@ -333,8 +333,7 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp):
     """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside).
-    Opt-in (``cuda_graphs_in_workers``) until this has run on GPUs; it checks outputs only,
-    not that the workers replayed."""
+    It checks outputs only, not that the workers replayed."""
     eager, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=0)
     graphed, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=256, tp=tp, pp=pp)
     assert graphed == eager

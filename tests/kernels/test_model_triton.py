@@ -12,6 +12,7 @@ GPU (marked): bfloat16 on a larger model, within bfloat16 noise of a float32 ref
 from __future__ import annotations
 
 import copy
+import os
 import random
 
 import pytest
@@ -187,8 +188,16 @@ def test_triton_model_matches_torch_model_float32():
 
 
 def test_kernel_ops_selects_triton():
-    assert kernel_ops("triton", torch.device("cpu")).name == "triton"
-    assert kernel_ops("auto", torch.device("cpu")).name == "torch"
+    cpu = torch.device("cpu")
+    assert kernel_ops("auto", cpu).name == "torch"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert kernel_ops("triton", cpu).name == "triton"
+        assert kernel_ops("auto", cpu, batch_invariant=True).name == "triton-batch-invariant"
+    else:  # a GPU machine: Triton on CPU only through the interpreter
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            kernel_ops("triton", cpu)
+    with pytest.raises(ValueError, match="not torch"):
+        kernel_ops("torch", cpu, batch_invariant=True)
 
 
 @pytest.mark.gpu
