@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
 from pipeserve.runtime.engine import LLMEngine
-from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
+from pipeserve.runtime.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.scheduler import SchedulerConfig
 from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
@@ -170,7 +170,8 @@ class LLM:
             if params.n > 1 and params.seed is not None:
                 sp = params.clone(seed=params.seed + i)
             rid = self.engine.new_request_id()
-            self.engine.add_request(rid, prompt, sp)
+            # Only finished outputs are read: the engine need not build one per token.
+            self.engine.add_request(rid, prompt, sp, output_kind=RequestOutputKind.FINAL_ONLY)
             ids.append(rid)
         return ids
 

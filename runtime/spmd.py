@@ -40,7 +40,7 @@ from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
 from pipeserve.runtime.engine import validate_request, _resolve_max_model_len
 from pipeserve.runtime.executor import SPMD_ENDPOINTS_ENV
 from pipeserve.runtime.loader import read_config_and_tokenizer
-from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
+from pipeserve.runtime.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.runtime.worker import EXIT_ENGINE_LOST, Worker, _device
 
@@ -342,7 +342,18 @@ class EngineClient:
         return validate_request(prompt, params, tokenizer=self.tokenizer,
                                 vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams,
+        *,
+        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
+    ) -> None:
+        """Queues a request on the engine process; its update comes once, when it ends
+        (``output_kind`` CUMULATIVE, per-token outputs, is not offered here)."""
+        if output_kind is not RequestOutputKind.FINAL_ONLY:
+            raise ValueError("the torchrun engine client returns final outputs only")
         text, ids, _ = self.validate(prompt, params)
         fields = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
         self._requests.send(encode(AddRequest(request_id=request_id, prompt_token_ids=ids, prompt=text,
