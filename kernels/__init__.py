@@ -95,7 +95,10 @@ def kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool = Fa
             raise ValueError("deterministic mode needs kernel_backend auto or triton, not torch")
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"deterministic mode needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
-        return batch_invariant_ops()
+        try:
+            return batch_invariant_ops()
+        except ImportError as e:
+            raise ValueError(f"deterministic mode needs Triton, which does not import here: {e}") from None
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return torch_ops()
     if backend == "auto":

@@ -14,7 +14,8 @@ every row sees whole (no mask), then the tiles along the causal diagonal (masked
 Grid: ``(num_seqs, cdiv(max_q_len * g, BLOCK_M), num_kv_heads)``; programs past their
 sequence's rows return at once. A decode-only batch (T == num_seqs) uses small M tiles
 (16 rows, or g rounded up to a power of two: one tile per sequence and KV head) and never
-reads query_start_loc, so it can be captured in a CUDA graph. Tile sizes are untuned
+reads query_start_loc, so it can be captured in a CUDA graph (``batch_invariant``: 64-row
+tiles and one code path for every tile, see ``tile_config``). Tile sizes are untuned
 defaults (BLOCK_N 64; BLOCK_M 64 for mixed batches, 16 for decodes). There is no split-KV:
 a decode batch runs S * kvh programs, each over its whole context.
 """
@@ -106,6 +107,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -141,7 +143,10 @@ def _paged_attention_kernel(
     # keys [full_end, kv_end) straddle the diagonal or the context's end and need the mask.
     first_q = (m_block * BLOCK_M) // G
     last_q = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
-    full_end = (ctx_len + first_q + 1) // BLOCK_N * BLOCK_N  # ctx_len + first_q + 1 >= 0
+    # UNMASKED_TILES 0 sends every tile through the masked path: the two paths round the scores
+    # differently (the unmasked one fuses scale and max into one FMA), and which path a tile
+    # takes depends on the chunk's start and the tile's rows, not on the token alone.
+    full_end = (ctx_len + first_q + 1) // BLOCK_N * BLOCK_N * UNMASKED_TILES  # >= 0
     kv_end = ctx_len + last_q + 1  # <= seq_len
     for start_n in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -164,6 +169,18 @@ def _paged_attention_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=row_valid[:, None],
     )
+
+
+def tile_config(g: int, *, decode_only: bool, batch_invariant: bool) -> tuple[int, int]:
+    """(BLOCK_M, UNMASKED_TILES) for query heads grouped ``g`` per KV head.
+
+    Decodes get 16-row tiles (one tile per sequence and KV head), mixed batches 64. With
+    ``batch_invariant`` a row's arithmetic must not depend on its batch: one tile shape for
+    decodes and prefills, and every key tile through the masked path (UNMASKED_TILES 0).
+    """
+    if batch_invariant:
+        return max(64, triton.next_power_of_2(g)), 0
+    return max(16 if decode_only else 64, triton.next_power_of_2(g)), 1
 
 
 def paged_attention(
@@ -192,10 +209,11 @@ def paged_attention(
     sequence i's query). No host list of ``meta`` is read there. Other batches read
     ``meta.query_start_loc_cpu`` on the host for the grid's max query length.
 
-    ``batch_invariant``: decodes use the mixed batches' 64-row tiles too, so a token's result
-    is the same bits whether its micro-batch held only decodes or also prefill chunks (a row's
-    arithmetic depends on the tile shape, never on the other rows in it; keys are always walked
-    BLOCK_N at a time from position 0, and fully masked tiles change nothing).
+    ``batch_invariant``: a token's result is the same bits whatever its micro-batch held, where
+    its prompt's chunks started and however many query heads share its KV head (``tile_config``:
+    one tile shape, one code path; a row's arithmetic never depends on the other rows of its
+    tile; keys are walked BLOCK_N at a time from position 0, and fully masked tiles change
+    nothing).
     """
     # q: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
     T, h, d = q.shape
@@ -220,12 +238,9 @@ def paged_attention(
         return out
     g = h // kvh
     decode_only = T == num_seqs  # every sequence has q_len >= 1, so all are 1
-    if decode_only:
-        block_m = max(64 if batch_invariant else 16, triton.next_power_of_2(g))
-        block_n, num_warps, max_q_len = 64, 4, 1
-    else:
-        block_m, block_n, num_warps = max(64, triton.next_power_of_2(g)), 64, 4
-        max_q_len = meta.max_query_len
+    block_m, unmasked_tiles = tile_config(g, decode_only=decode_only, batch_invariant=batch_invariant)
+    block_n, num_warps = 64, 4
+    max_q_len = 1 if decode_only else meta.max_query_len
     grid = (num_seqs, triton.cdiv(max_q_len * g, block_m), kvh)
     _paged_attention_kernel[grid](
         out,
@@ -250,6 +265,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DECODE_ONLY=decode_only,
+        UNMASKED_TILES=unmasked_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=3,  # with 16-divisible strides the K/V gathers become cp.async pipelines

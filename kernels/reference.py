@@ -67,12 +67,6 @@ def matmul_reference(
     return (x.double() @ w.double().T).to(out_dtype or x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``F.linear`` (cuBLAS / the CPU BLAS: fastest, not batch-invariant), cast to ``out_dtype``."""
-    y = F.linear(x, w)
-    return y if out_dtype in (None, y.dtype) else y.to(out_dtype)
-
-
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each

@@ -94,10 +94,7 @@ def add_rms_norm(
     if T == 0:
         return out, new_residual
     residual_in = x if residual is None else residual  # unread without a residual
-    block_h = triton.next_power_of_2(H)
-    block_t = max(_TILE // block_h, 1)
-    if not batch_invariant:
-        block_t = min(block_t, triton.next_power_of_2(T))
+    block_t, block_h, num_warps = row_tile(T, H, batch_invariant=batch_invariant)
     _add_rms_norm_kernel[(triton.cdiv(T, block_t),)](
         x,
         residual_in,
@@ -114,9 +111,20 @@ def add_rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK_T=block_t,
         BLOCK_H=block_h,
-        num_warps=min(max(block_t * block_h // 512, 1), 16),
+        num_warps=num_warps,
     )
     return out, new_residual
+
+
+def row_tile(T: int, H: int, *, batch_invariant: bool) -> tuple[int, int, int]:
+    """(BLOCK_T, BLOCK_H, num_warps). A row's sum of squares is reduced in an order set by the
+    tile, so ``batch_invariant`` keeps one tile for every T; by default a small batch gets a
+    smaller tile."""
+    block_h = triton.next_power_of_2(H)
+    block_t = max(_TILE // block_h, 1)
+    if not batch_invariant:
+        block_t = min(block_t, triton.next_power_of_2(T))
+    return block_t, block_h, min(max(block_t * block_h // 512, 1), 16)
 
 
 def _check_like(t: torch.Tensor, x: torch.Tensor, name: str) -> None:

@@ -45,12 +45,23 @@ _TOPICS = [
 ]
 
 
-def prompts(num: int) -> list[str]:
-    """`num` distinct chat prompts (tasks × topics, deterministic)."""
+_CONTEXT = (
+    "The history of science is the study of how people came to understand the natural world, "
+    "from early observations of the sky and of living things to the experiments and theories of "
+    "the modern era, and of how that understanding changed the way they lived and worked. "
+)
+
+
+def prompts(num: int, context_words: int = 0) -> list[str]:
+    """`num` distinct chat prompts (tasks × topics, deterministic), each after the first
+    `context_words` words of a fixed passage (repeated as needed): long prompts are cut into
+    chunks that start at different positions in different layouts."""
     all_prompts = [t.format(topic) for topic in _TOPICS for t in _TASKS]
     if num > len(all_prompts):
         raise ValueError(f"at most {len(all_prompts)} prompts")
-    return all_prompts[:num]
+    words = _CONTEXT.split()
+    context = " ".join(words[i % len(words)] for i in range(context_words))
+    return [f"{context} {p}".strip() for p in all_prompts[:num]]
 
 
 def run_layout(model: str, layout: str, args) -> dict:
@@ -65,12 +76,29 @@ def run_layout(model: str, layout: str, args) -> dict:
               tensor_parallel_size=par["tp"], pipeline_parallel_size=par["pp"])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=dummy)
     if dummy:  # no chat template in a benchmark shape's folder
-        outs = llm.generate(prompts(args.num_prompts), params)
+        outs = llm.generate(prompts(args.num_prompts, args.context_words), params)
     else:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts(args.num_prompts)], params)
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts(args.num_prompts, args.context_words)], params)
     llm.close()
-    return {"tokens": [o.outputs[0].token_ids for o in outs],
+    return {"settings": _settings(args),
+            "tokens": [o.outputs[0].token_ids for o in outs],
             "logprobs": [[{str(k): v for k, v in lp.items()} for lp in o.outputs[0].logprobs] for o in outs]}
+
+
+def _settings(args) -> dict:
+    """What a layout's outputs depend on besides the layout (a reused file must match)."""
+    return {"model": args.model if args.shape is None else f"{args.shape}-{args.num_layers}",
+            "dtype": args.dtype, "deterministic": args.deterministic,
+            "reduction_splits": _reduction_splits(args), "kernel_backend": args.kernel_backend,
+            "num_prompts": args.num_prompts, "context_words": args.context_words, "max_tokens": args.max_tokens, "logprobs": args.logprobs,
+            "max_num_batched_tokens": args.max_num_batched_tokens}
+
+
+def _reusable(path: str, args) -> bool:
+    if not (args.reuse and os.path.exists(path)):
+        return False
+    with open(path) as f:
+        return json.load(f).get("settings") == _settings(args)
 
 
 def _parse_layout(layout: str) -> dict[str, int]:
@@ -134,6 +162,8 @@ def main(argv=None) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF folder (default: embedded SmolLM2)")
     p.add_argument("--layouts", default="tp=2,pp=2", help="comma-separated, e.g. tp=2,pp=2,tp=2+pp=2")
     p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--context-words", type=int, default=0,
+                   help="put this many words of a fixed passage before every prompt (long prompts)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--logprobs", type=int, default=5)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -162,7 +192,7 @@ def main(argv=None) -> None:
     outputs = {}
     for layout in [args.base, *_layouts(args)]:
         path = os.path.join(args.workdir, f"agree_{layout}.json")
-        if not (args.reuse and os.path.exists(path)):
+        if not _reusable(path, args):
             cmd = [sys.executable, "-m", "pipeserve.launch.agreement", *child_args, "--child", layout]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:

@@ -29,10 +29,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeserve.kernels import kernel_ops
 from pipeserve.runtime.batch import StepInputs
 from pipeserve.runtime.kv_cache import allocate_kv_cache
-from pipeserve.runtime.loader import load_model
+from pipeserve.runtime.loader import load_model, set_kernels
 from pipeserve.runtime.model_runner import ModelRunner
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.scheduler import CostModel
@@ -132,7 +131,7 @@ def run_profile(cfg: DictConfig, out_dir: str, *, progress: bool = True) -> dict
     device = engine.torch_device()
     dtype = engine.torch_dtype(device)
     loaded = load_model(engine.model, dtype=dtype, device=device, load_format=engine.load_format)
-    loaded.model.set_ops(kernel_ops(engine.kernel_backend, device))
+    set_kernels(loaded.model, engine, device)
     shapes = options.shapes()
     num_blocks = blocks_needed(shapes, engine.block_size)
     kv = allocate_kv_cache(loaded.config, num_layers=loaded.config.num_hidden_layers, num_blocks=num_blocks,

@@ -1,4 +1,4 @@
-"""Who this process is in the TP × PP mesh, and the two collectives tensor parallelism needs.
+"""Who this process is in the TP × PP mesh, and the collectives tensor parallelism needs.
 
 Ranks are stage-major: global rank = stage * tp_size + tp_rank, so the tp_size workers of one
 pipeline stage are consecutive (on one node whenever tp_size <= GPUs per node: the all-reduces

@@ -161,6 +161,31 @@ def reduction_segments(
     return [(a * unit - start, b * unit - start) for a, b in mine]
 
 
+def check_reduction_layout(
+    *, num_heads: int, num_kv_heads: int, head_dim: int, intermediate_size: int, splits: int, tp_size: int
+) -> None:
+    """ValueError unless every TP rank's o_proj and down_proj columns are whole runs of the
+    ``splits`` deterministic segments (checked before any worker starts); the message names
+    the layer and the values of ``splits`` that would fit."""
+
+    def misfit(s: int) -> str | None:
+        for rank in range(tp_size):
+            heads = shard_heads(num_heads, num_kv_heads, tp_size, rank)
+            layers = {"o_proj": (num_heads, head_dim, (heads.q_start * head_dim, heads.q_stop * head_dim)),
+                      "down_proj": (intermediate_size, 1, split_evenly(intermediate_size, tp_size, rank))}
+            for name, (units, unit, cols) in layers.items():
+                try:
+                    reduction_segments(units, unit, s, tp_size, rank, cols)
+                except ValueError as e:
+                    return f"{name}: {e}"
+        return None
+
+    problem = misfit(splits)
+    if problem is not None:
+        fits = [tp_size * 2**k for k in range(8) if tp_size * 2**k <= num_heads and misfit(tp_size * 2**k) is None]
+        raise ValueError(f"reduction_splits={splits} does not fit tp={tp_size} ({problem}); values that fit: {fits}")
+
+
 # --- reading checkpoint slices ----------------------------------------------------------------
 
 

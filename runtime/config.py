@@ -90,7 +90,8 @@ class EngineConfig:
     run eagerly."""
     cuda_graphs_in_workers: bool = True
     """Capture in tp/pp workers too (TP all-reduces inside the graphs, pipeline sends outside;
-    greedy outputs identical to eager on 2 × H200 for tp=2 and pp=2)."""
+    greedy outputs identical to eager on 2 × H200 for tp=2 and pp=2). Not in deterministic
+    mode, whose workers stay eager (the capture of its float32 gathers is unverified)."""
     deterministic: bool = False
     """Deterministic, layout-invariant serving: a token's output is the same bits whatever
     else shares its micro-batch and whatever the tp/pp layout (batch-invariant Triton kernels,

@@ -18,7 +18,8 @@ tensor shapes (never on ``seq_lens`` values, read on the device); host lists in 
 are those of a decode step and are not read beyond that. The torch reference attention loops
 over host lists and is never captured. With TP > 1 the all-reduces are captured too (NCCL
 supports graph capture): every TP rank of a stage captures the same buckets in the same order
-and replays on the same plans. Pipeline send/recv stay outside the graph.
+and replays on the same plans. Pipeline send/recv stay outside the graph. Deterministic mode
+keeps tp/pp workers eager: capturing its float32 partial-sum gathers has not been verified.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeserve.parallel.tp_layers import check_reduction_layout
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
 from pipeserve.runtime.cuda_graphs import capture_cuda_graphs
 from pipeserve.runtime.executor import (
@@ -110,6 +111,12 @@ class LLMEngine:
         else:
             model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
         self.model_config = model_config
+        if config.deterministic:  # before any worker starts
+            check_reduction_layout(
+                num_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
+                head_dim=model_config.head_dim, intermediate_size=model_config.intermediate_size,
+                splits=config.effective_reduction_splits, tp_size=config.parallel.tp,
+            )
         eos = tuple(model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
         if config.parallel.world_size == 1:

@@ -63,7 +63,7 @@ class Worker:
         # Every TP rank of the stage captures the same buckets in the same order (NCCL inside).
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.cuda_graphs = None
-        if config.cuda_graphs_in_workers:
+        if config.cuda_graphs_in_workers and not config.deterministic:  # (see cuda_graphs.py)
             self.cuda_graphs = capture_cuda_graphs(self.model, self.kv_caches, config,
                                                    max_model_len=max_model_len, device=device)
         self.mirror = BlockTableMirror()

@@ -193,7 +193,7 @@ def test_kernel_ops_selects_triton():
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert kernel_ops("triton", cpu).name == "triton"
         assert kernel_ops("auto", cpu, batch_invariant=True).name == "triton-batch-invariant"
-    else:  # a GPU machine: Triton on CPU only through the interpreter
+    else:  # no interpreter (a GPU machine): Triton on the CPU device is refused
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             kernel_ops("triton", cpu)
     with pytest.raises(ValueError, match="not torch"):

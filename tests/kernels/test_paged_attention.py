@@ -275,3 +275,68 @@ def test_gpu_decode_is_cuda_graph_capturable():
         torch.cuda.synchronize()
         assert torch.equal(static_out[-1], torch.zeros_like(static_out[-1])), f"seed {seed}"
         _check(static_out.clone(), q, static_cache, meta, 0.1, seed)
+
+
+# --- batch invariance (deterministic mode) ----------------------------------------------------
+
+
+def test_tile_config_is_batch_invariant():
+    """Deterministic mode: one tile shape for decodes and prefills and one code path (every
+    key tile masked), whatever the GQA group; the default keeps small decode tiles."""
+    from pipeserve.kernels.paged_attention import tile_config
+
+    for g in (1, 3, 4, 8):
+        configs = {tile_config(g, decode_only=d, batch_invariant=True) for d in (True, False)}
+        assert configs == {(64, 0)}
+    assert tile_config(1, decode_only=True, batch_invariant=False) == (16, 1)
+    assert tile_config(3, decode_only=False, batch_invariant=False) == (64, 1)
+
+
+def _invariant(q, kv_cache, meta, scale):
+    return paged_attention(q, kv_cache, meta, scale, batch_invariant=True)
+
+
+INVARIANT_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
+
+
+@pytest.mark.parametrize("dtype", INVARIANT_DTYPES)
+def test_batch_invariant_rows_ignore_chunk_starts_and_companions(dtype):
+    """A 150-token prompt's last 120 queries: as part of one 150-token chunk, as a chunk over
+    a 30-token cached prefix, and beside another sequence's chunk and a decode; the prompt's
+    decode alone and in a mixed batch. Bit-identical in deterministic mode (natively on a GPU
+    the default mode is not: its unmasked and masked key tiles round differently)."""
+    seed = _seed()
+    heads = dict(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16)
+    # Sequence 0 of each case is the same prompt (same cache, same queries: same seed).
+    whole, cache, meta_whole = _random_case([(150, 150)], dtype=dtype, seed=seed, **heads)
+    out_whole = _invariant(whole, cache, meta_whole, 0.125)
+    tail = whole[30:]
+    meta_tail = make_metadata([(120, 150)], meta_whole.block_tables.cpu().tolist(), 16)
+    assert torch.equal(_invariant(tail, cache, _to(meta_tail, DEVICE), 0.125), out_whole[30:]), f"seed {seed}"
+    # The same 120 queries beside another sequence's chunk and a decode (their K/V: block 0 rows).
+    tables = meta_whole.block_tables.cpu().tolist() + [[1, 2], [3]]
+    mixed_meta = make_metadata([(120, 150), (17, 20), (1, 9)], tables, 16)
+    other = torch.randn(18, *whole.shape[1:], dtype=dtype, device=DEVICE)
+    mixed = _invariant(torch.cat([tail, other]), _finite(cache), _to(mixed_meta, DEVICE), 0.125)
+    assert torch.equal(mixed[:120], out_whole[30:]), f"seed {seed}"
+    # The last token as a decode: alone (decode-only batch) and inside the mixed batch above.
+    last = make_metadata([(1, 150)], meta_whole.block_tables.cpu().tolist(), 16)
+    decoded = _invariant(whole[149:], cache, _to(last, DEVICE), 0.125)
+    assert torch.equal(decoded, out_whole[149:]), f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", INVARIANT_DTYPES)
+def test_batch_invariant_rows_ignore_the_gqa_group(dtype):
+    """The same heads with g = 3 query heads per KV head (one GPU) and with one KV copy per
+    query head (g = 1, a TP rank whose heads straddle a group): bit-identical."""
+    seed = _seed()
+    q, cache, meta = _random_case([(100, 130), (1, 77)], num_heads=3, num_kv_heads=1, head_dim=64,
+                                  block_size=16, dtype=dtype, seed=seed)
+    grouped = _invariant(q, cache, meta, 0.125)
+    copies = cache.expand(-1, -1, -1, 3, -1).contiguous()  # [2, blocks, bs, 3, d]
+    assert torch.equal(_invariant(q, copies, meta, 0.125), grouped), f"seed {seed}"
+
+
+def _finite(cache: torch.Tensor) -> torch.Tensor:
+    """The cache with its unused (NaN) slots zeroed, for sequences written through them."""
+    return torch.nan_to_num(cache)

@@ -121,3 +121,12 @@ def test_gpu_bfloat16_matches_reference(H, with_residual):
     assert_close_rounding(got, want, seed, fp32_atol=1e-5)
     assert out_buf[:, H:].isnan().all()
     assert torch.equal(got_residual, want_residual), f"seed {seed}"
+
+
+def test_row_tile_is_batch_invariant():
+    """Deterministic mode: one tile (and so one reduction order per row) for every T."""
+    from pipeserve.kernels.rms_norm import row_tile
+
+    for H in (64, 576, 4096, 8192):
+        assert len({row_tile(T, H, batch_invariant=True) for T in (1, 2, 7, 64, 1000)}) == 1
+    assert row_tile(1, 64, batch_invariant=False) != row_tile(1000, 64, batch_invariant=False)

@@ -16,7 +16,12 @@ import torch
 from helpers_model import write_tiny_model
 
 from pipeserve import LLM, SamplingParams
-from pipeserve.parallel.tp_layers import check_reduction_splits, reduction_segments, tree_sum
+from pipeserve.parallel.tp_layers import (
+    check_reduction_layout,
+    check_reduction_splits,
+    reduction_segments,
+    tree_sum,
+)
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
 
 pytest.importorskip("triton")
@@ -53,6 +58,16 @@ def test_reduction_segments():
         reduction_segments(10, 1, 4, 2, 0, (0, 5))
     with pytest.raises(ValueError, match="cannot cut"):
         reduction_segments(3, 64, 4, 1, 0, (0, 192))
+
+
+def test_reduction_layout_checked_before_workers_start():
+    """14 heads (Qwen2.5-0.5B) at tp=2 split 7/7: 4 segments (4/4/3/3 heads) do not fit; the
+    error names the layer and the values that do."""
+    shape = dict(num_heads=14, num_kv_heads=2, head_dim=64, intermediate_size=4864)
+    check_reduction_layout(**shape, splits=2, tp_size=2)
+    check_reduction_layout(**shape, splits=4, tp_size=1)
+    with pytest.raises(ValueError, match=r"o_proj.*values that fit: \[2\]"):
+        check_reduction_layout(**shape, splits=4, tp_size=2)
 
 
 def test_reduction_splits_refused():
