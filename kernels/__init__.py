@@ -93,8 +93,7 @@ def kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool = Fa
     if batch_invariant:
         if backend == "torch":
             raise ValueError("deterministic mode needs kernel_backend auto or triton, not torch")
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"deterministic mode needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
+        _require_triton_device(device, "deterministic mode")
         try:
             return batch_invariant_ops()
         except ImportError as e:
@@ -106,6 +105,11 @@ def kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool = Fa
             return triton_ops()
         except ImportError:  # no triton on this machine
             return torch_ops()
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"kernel_backend=triton needs a CUDA device (or TRITON_INTERPRET=1), got {device}")
+    _require_triton_device(device, "kernel_backend=triton")
     return triton_ops()
+
+
+def _require_triton_device(device: torch.device, what: str) -> None:
+    """Triton runs on CUDA; on a CPU device only through its interpreter (tests)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{what} needs a CUDA device (or TRITON_INTERPRET=1), got {device}")

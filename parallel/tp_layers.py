@@ -222,7 +222,18 @@ def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
 # --- linear layers ----------------------------------------------------------------------------
 
 
-class ColumnParallelLinear(nn.Linear):
+class _Numerics:
+    """A layer whose products deterministic mode replaces (``InvariantNumerics``; None: the
+    default, fastest path)."""
+
+    numerics: InvariantNumerics | None = None
+
+    def set_numerics(self, numerics: InvariantNumerics | None) -> None:
+        self.numerics = numerics
+
+
+
+class ColumnParallelLinear(_Numerics, nn.Linear):
     """y = x W_r^T + b_r over this rank's output rows; no collective.
 
     ``parts`` maps each checkpoint tensor's id to (its full number of rows, the global rows of
@@ -244,7 +255,6 @@ class ColumnParallelLinear(nn.Linear):
         assert sum(full for full, _ in parts.values()) == out_features, (parts, out_features)
         super().__init__(in_features, sum(len(rows) for _, rows in parts.values()), bias=bias)
         self.parallel = parallel
-        self.numerics: InvariantNumerics | None = None
         self.parts = parts
         self.part_offsets, offset = {}, 0
         for part, (_, rows) in parts.items():
@@ -257,9 +267,6 @@ class ColumnParallelLinear(nn.Linear):
             return super().forward(x)
         y = self.numerics.matmul(x, self.weight, None)
         return y if self.bias is None else y + self.bias
-
-    def set_numerics(self, numerics: InvariantNumerics | None) -> None:
-        self.numerics = numerics
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
         full_rows, rows = self.parts[part]
@@ -310,7 +317,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, out_features, bias=bias, parallel=parallel, parts=parts)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(_Numerics, nn.Linear):
     """y = all_reduce(x_r W_r^T) + b over this rank's input columns [start, stop).
 
     ``cols`` defaults to an even split; o_proj passes its query heads' columns and its head
@@ -332,11 +339,10 @@ class RowParallelLinear(nn.Linear):
         assert in_features % unit == 0 and start % unit == 0 and stop % unit == 0, (in_features, cols, unit)
         self.parallel, self.unit = parallel, unit
         self.full_in_features, self.cols = in_features, (start, stop)
-        self.numerics: InvariantNumerics | None = None
         self.segments: list[tuple[int, int]] = []
 
     def set_numerics(self, numerics: InvariantNumerics | None) -> None:
-        self.numerics = numerics
+        super().set_numerics(numerics)
         if numerics is not None:
             p = self.parallel
             self.segments = reduction_segments(
@@ -397,7 +403,7 @@ class VocabParallelEmbedding(nn.Embedding):
         param.data.copy_(read_rows(loaded, range(self.vocab_start, self.vocab_stop)))
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(_Numerics, nn.Linear):
     """LM head over the same vocab rows as ``VocabParallelEmbedding`` (so the two can share one
     weight); ``forward`` returns full-vocab float32 logits on every TP rank."""
 
@@ -407,10 +413,6 @@ class ParallelLMHead(nn.Linear):
         self.vocab_start, self.vocab_stop = start, stop
         self.parallel, self.full_vocab_size = parallel, vocab_size
         self.shard_sizes = split_sizes(vocab_size, parallel.tp_size)
-        self.numerics: InvariantNumerics | None = None
-
-    def set_numerics(self, numerics: InvariantNumerics | None) -> None:
-        self.numerics = numerics
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32
