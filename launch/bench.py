@@ -230,9 +230,14 @@ class Bench:
         return done
 
     def warm_up(self, num_requests: int) -> None:
+        """Requests before the measured run (their steps are left out of its records): the
+        first with a prompt of two token budgets and more, so chunked prefills over a prior
+        context and decode batches run (and compile) once before the clock starts."""
         if num_requests:
-            specs = [RequestSpec(i, 0.0, 16, 4) for i in range(num_requests)]
-            self.run(specs, seed=1, prefix="warmup")
+            budget = self.config.scheduler.max_num_batched_tokens
+            longest = max(self.engine.state.max_model_len - 16, 16)
+            lens = [min(2 * budget + 37, longest)] + [16 + 7 * i for i in range(1, num_requests)]
+            self.run([RequestSpec(i, 0.0, n, 8) for i, n in enumerate(lens)], seed=1, prefix="warmup")
 
     def close(self) -> list[M.StageTimeline]:
         """Stops the engine (and workers); returns every rank's stage timeline."""

@@ -34,6 +34,9 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None = None
     """This stage's TP group (ranks ``stage_ranks``); None when tp_size == 1, where the TP
     layers run no collective at all."""
+    feedback_group: dist.ProcessGroup | None = None
+    """Token feedback (``parallel/feedback.py``): the group of the first stage's ranks and the
+    driver, on the ranks in it; None elsewhere or without feedback."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.pp_size < 1:
@@ -90,14 +93,20 @@ class ParallelContext:
         """The one rank that samples and reports results: TP rank 0 of the last stage."""
         return self.is_last_stage and self.tp_rank == 0
 
+    @property
+    def driver_rank(self) -> int:
+        """Global rank of the driver."""
+        return (self.pp_size - 1) * self.tp_size
+
 
 def stage_ranks(stage: int, tp_size: int) -> list[int]:
     """Global ranks of pipeline stage ``stage`` (stage-major layout)."""
     return list(range(stage * tp_size, (stage + 1) * tp_size))
 
 
-def build_parallel_context(tp_size: int, pp_size: int) -> ParallelContext:
-    """The context of this process, creating one TP group per stage.
+def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool = False) -> ParallelContext:
+    """The context of this process, creating one TP group per stage (and, with
+    ``token_feedback`` and pp_size > 1, the feedback group).
 
     torch.distributed must already be initialized with world_size == tp_size * pp_size.
     ``dist.new_group`` is collective over the whole world: every rank calls it for every stage's
@@ -118,8 +127,15 @@ def build_parallel_context(tp_size: int, pp_size: int) -> ParallelContext:
             group = dist.new_group(ranks)
             if rank in ranks:
                 tp_group = group
+    feedback_group = None
+    if token_feedback and pp_size > 1:
+        ranks = [*stage_ranks(0, tp_size), (pp_size - 1) * tp_size]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            feedback_group = group
     return ParallelContext(
-        rank=rank, world_size=world_size, tp_size=tp_size, pp_size=pp_size, tp_group=tp_group
+        rank=rank, world_size=world_size, tp_size=tp_size, pp_size=pp_size, tp_group=tp_group,
+        feedback_group=feedback_group,
     )
 
 

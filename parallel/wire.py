@@ -58,7 +58,9 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One request's share of a micro-batch.
 
     ``new_token_ids`` are the ``num_scheduled_tokens`` tokens this step computes (positions
-    ``num_computed_tokens ..``); stage 0 embeds them. Exactly one of ``block_table`` (full
+    ``num_computed_tokens ..``); stage 0 embeds them. A fed decode (``feed_step >= 0``, token
+    feedback) has none: its one token is the one step ``feed_step`` samples for this request,
+    which stage 0 receives from the last stage (``parallel/feedback.py``). Exactly one of ``block_table`` (full
     table: the workers have not seen this request, or it restarted after preemption) and
     ``block_table_diff`` (blocks appended since the last plan) is set; see ``BlockTableMirror``.
     """
@@ -72,13 +74,17 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     needs_sample: bool
     sampling: SamplingSpec | None
     num_output_tokens: int = 0  # so the sampler can hold EOS back until min_tokens
+    feed_step: int = -1
 
     def __post_init__(self) -> None:
         # Raised inside decode() too, where msgspec turns it into a ValidationError.
-        if len(self.new_token_ids) != self.num_scheduled_tokens:
+        fed = self.feed_step >= 0
+        if fed and self.num_scheduled_tokens != 1:
+            raise ValueError(f"{self.request_id}: a fed decode schedules one token, not {self.num_scheduled_tokens}")
+        if len(self.new_token_ids) != self.num_scheduled_tokens - fed:
             raise ValueError(
                 f"{self.request_id}: {len(self.new_token_ids)} new_token_ids for "
-                f"{self.num_scheduled_tokens} scheduled tokens"
+                f"{self.num_scheduled_tokens} scheduled tokens" + (" (one fed)" if fed else "")
             )
         if (self.block_table is None) == (self.block_table_diff is None):
             raise ValueError(f"{self.request_id}: set exactly one of block_table, block_table_diff")

@@ -27,7 +27,13 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages."""
     num_microbatches_in_flight: int | None = None
-    """Micro-batches in the pipeline at once; None = pp."""
+    """Micro-batches in the pipeline at once; None = pp, or pp + 1 with token feedback."""
+    token_feedback: bool = False
+    """pp > 1: the last stage hands each sampled token to the first stage on the device, so a
+    request's next decode is planned before its result reaches the engine and the stages do
+    not wait for the engine's round trip (``parallel/feedback.py``). A request still decodes
+    once per ``pp`` micro-batches. A request that stops (EOS, a stop string) may have one
+    decode more computed and dropped."""
     stage_layers: list[int] | None = None
     """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers)."""
     host: str | None = None
@@ -55,8 +61,13 @@ class ParallelConfig:
         return self.host or "127.0.0.1"
 
     @property
+    def feedback(self) -> bool:
+        """Token feedback is on (asked for, and there is a pipeline)."""
+        return self.token_feedback and self.pp > 1
+
+    @property
     def depth(self) -> int:
-        return self.num_microbatches_in_flight or self.pp
+        return self.num_microbatches_in_flight or (self.pp + 1 if self.feedback else self.pp)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

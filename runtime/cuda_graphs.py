@@ -275,9 +275,10 @@ class CudaGraphRunner:
         return g
 
     @torch.inference_mode()
-    def replay(self, g: GraphStep, hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+    def replay(self, g: GraphStep, hidden_states: torch.Tensor | None = None, feed=None) -> torch.Tensor:
         """Runs the step: ``hidden_states`` [num_seqs, H] on stages after the first. Returns
-        [num_seqs, H], valid until the next replay."""
+        [num_seqs, H], valid until the next replay. ``feed(input_ids)`` (token feedback) writes
+        fed decode tokens into the static input ids before the replay."""
         if self.is_first_stage != (hidden_states is None):
             raise ValueError("hidden_states must be given exactly on stages after the first")
         b, n = g.bucket, g.num_seqs
@@ -291,6 +292,8 @@ class CudaGraphRunner:
             buf[:b].copy_(torch.from_numpy(host), non_blocking=True)
         width = g.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(torch.from_numpy(g.block_tables), non_blocking=True)
+        if feed is not None:
+            feed(self.input_ids)
         if hidden_states is not None:
             self.hidden[:n].copy_(hidden_states)
         self.num_replays += 1

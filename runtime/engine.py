@@ -130,7 +130,10 @@ class LLMEngine:
             device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
             eos_token_ids=eos,
         )
-        sched_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        sched_config = dataclasses.replace(
+            config.scheduler, max_model_len=max_model_len,
+            feedback_distance=config.parallel.pp if config.parallel.feedback else None,
+        )
         try:
             self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size,
                                        cost_model=_cost_model(sched_config, device))
@@ -176,7 +179,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, max_tokens = self.validate(prompt, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.scheduler.add_request(Request(request_id, ids, arrival_time=arrival, sampling_params=params))
+        self.scheduler.add_request(
+            Request(request_id, ids, arrival_time=arrival, sampling_params=params, max_output_tokens=max_tokens)
+        )
         self._requests[request_id] = _RequestState(
             prompt=text,
             prompt_token_ids=ids,
@@ -234,9 +239,7 @@ class LLMEngine:
                 return
             self._mark_scheduled(plan)
             requests = self._requests
-            samples = {
-                s.request_id: _sample_request(requests[s.request_id]) for s in plan.scheduled if s.needs_sample
-            }
+            samples = {s.request_id: _sample_request(requests[s.request_id], s) for s in plan.scheduled if s.needs_sample}
             self.executor.submit(plan, samples)
             self._in_flight.append(plan)
             if self.step_records is not None:
@@ -310,8 +313,10 @@ class LLMEngine:
         return self._output(request_id, self._requests[request_id])
 
 
-def _sample_request(st: _RequestState) -> SampleRequest:
-    return SampleRequest(st.params, st.generator, len(st.output_token_ids))
+def _sample_request(st: _RequestState, s) -> SampleRequest:
+    # The token sampled after position context_len - 1 is output number context_len - prompt
+    # (with token feedback the earlier outputs may still be in flight).
+    return SampleRequest(st.params, st.generator, s.context_len - s.request.num_prompt_tokens)
 
 
 def validate_request(

@@ -160,6 +160,7 @@ class DistributedExecutor:
             needs_sample=s.needs_sample,
             sampling=None if sample is None else _spec(sample.params),
             num_output_tokens=0 if sample is None else sample.num_output_tokens,
+            feed_step=s.feed_step,
         )
 
     def result(self, plan: SchedulerOutput) -> Sampled:

@@ -39,6 +39,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         num_microbatches_in_flight: int | None = None,
+        token_feedback: bool = False,
         enable_prefix_caching: bool = False,
         prefix_grouping: bool = False,
         kernel_backend: str = "auto",
@@ -75,6 +76,7 @@ class LLM:
                     tp=tensor_parallel_size,
                     pp=pipeline_parallel_size,
                     num_microbatches_in_flight=num_microbatches_in_flight,
+                    token_feedback=token_feedback,
                 ),
             )
         )

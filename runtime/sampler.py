@@ -13,7 +13,7 @@ produces the same tokens whatever else shares its batch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +44,7 @@ class Sampler:
         *,
         num_output_tokens: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
+        on_sampled: Callable[[torch.Tensor], None] | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -52,6 +53,8 @@ class Sampler:
         num_output_tokens: tokens each row has generated before this step. When given, a row
             with fewer than ``min_tokens`` cannot sample its stop_token_ids nor, unless
             ``ignore_eos``, ``eos_token_ids`` (their logits are set to -inf).
+        on_sampled: called with the [N] int64 token ids on the logits' device before they are
+            copied to the host (token feedback sends them on from there).
         """
         assert logits.dim() == 2, f"logits must be [N, V], got {tuple(logits.shape)}"
         num_rows = logits.shape[0]
@@ -65,6 +68,8 @@ class Sampler:
         if num_output_tokens is not None:
             logits = _apply_min_tokens(logits, params, num_output_tokens, eos_token_ids)
         token_ids = _sample(logits, params, generators)  # [N] int64, on the logits' device
+        if on_sampled is not None:
+            on_sampled(token_ids)
         token_ids_cpu = token_ids.cpu()
         logprobs = None
         if raw_logprobs is not None:

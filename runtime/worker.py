@@ -4,7 +4,8 @@
 
 Every worker receives every StepPlan (ZeroMQ); stage 0 embeds the plan's tokens, later stages
 receive the previous stage's hidden states (NCCL / gloo point-to-point, shape [T, H] derived
-from the plan); the last stage's TP rank 0 samples and sends the StepResult.
+from the plan); the last stage's TP rank 0 samples and sends the StepResult. With token
+feedback it also sends the sampled ids to stage 0, which feeds them to later plans' decodes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from pipeserve.parallel.context import ParallelContext, build_parallel_context
+from pipeserve.parallel.context import ParallelContext, build_parallel_context, stage_ranks
+from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
 from pipeserve.parallel.stage_plan import default_costs, plan_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import BlockTableMirror, Shutdown, StepPlan, StepResult, WorkerError
@@ -74,6 +76,15 @@ class Worker:
         # The busy total is always kept (/metrics); per-step spans only when asked (benchmarks).
         stats = os.environ.get("PIPESERVE_STAGE_STATS") or os.environ.get("PIPESERVE_STAGE_STATS_DIR")
         self.busy = BusyTimer(device, record=bool(stats))
+        self.feedback_sender: FeedbackSender | None = None
+        self.feedback_receiver: FeedbackReceiver | None = None
+        if (group := ctx.feedback_group) is not None:
+            first = stage_ranks(0, ctx.tp_size)
+            warm_up(group, src=ctx.driver_rank, dsts=first, rank=ctx.rank, device=device)
+            if ctx.is_driver:
+                self.feedback_sender = FeedbackSender(group, first)
+            else:
+                self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device)
 
     def _agree_on_kv_blocks(self) -> int:
         """Every stage holds the same number of blocks: the fewest any rank can afford."""
@@ -100,9 +111,10 @@ class Worker:
             self._generators.pop(rid, None)
             self._params.pop(rid, None)
         tables = self.mirror.apply_plan(plan)
+        feed = None if self.feedback_receiver is None else self.feedback_receiver.take(plan)
         step = StepInputs(
             request_ids=[s.request_id for s in plan.seqs],
-            token_ids=[t for s in plan.seqs for t in s.new_token_ids],
+            token_ids=_token_ids(plan),
             query_lens=[s.num_scheduled_tokens for s in plan.seqs],
             start_positions=[s.num_computed_tokens for s in plan.seqs],
             block_tables=tables,
@@ -115,7 +127,7 @@ class Worker:
             self.busy.begin_recv()
             hidden_in = self._recv(step.num_tokens)
         self.busy.begin()
-        hidden = self._forward(inputs, hidden_in)
+        hidden = self._forward(inputs, hidden_in, feed)
         if not self.ctx.is_last_stage:
             self.busy.end(plan.step_id)
             self._send(hidden)
@@ -133,12 +145,15 @@ class Worker:
             return g
         return to_tensors(step, block_size=self.config.block_size, device=self.device)
 
-    def _forward(self, inputs: GraphStep | ModelInputs, hidden_in: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, inputs: GraphStep | ModelInputs, hidden_in: torch.Tensor | None, feed) -> torch.Tensor:
+        """``feed``: the fed decode tokens' patch of the input ids (stage 0, token feedback)."""
         if isinstance(inputs, GraphStep):
-            hidden = self.cuda_graphs.replay(inputs, hidden_in)
+            hidden = self.cuda_graphs.replay(inputs, hidden_in, feed)
             # The graph's output buffer is rewritten by the next replay while an isend (on
             # NCCL's stream) may still read it: send a copy.
             return hidden if self.ctx.is_last_stage else hidden.clone()
+        if feed is not None:
+            feed(inputs.input_ids)
         return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
                           hidden_states=hidden_in)
 
@@ -162,8 +177,9 @@ class Worker:
         seqs = [s for s in plan.seqs if s.needs_sample]
         params = [self._params_of(s) for s in seqs]
         gens = [self._generator_of(s, p) for s, p in zip(seqs, params)]
+        sender = self.feedback_sender
         out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
-                           eos_token_ids=self.eos_token_ids)
+                           eos_token_ids=self.eos_token_ids, on_sampled=None if sender is None else sender.send)
         logprobs = None
         if out.logprobs is not None and any(lp is not None for lp in out.logprobs):
             logprobs = [lp or {} for lp in out.logprobs]
@@ -203,6 +219,9 @@ class Worker:
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
                 self.wait_sends()
+                for end in (self.feedback_sender, self.feedback_receiver):
+                    if end is not None:
+                        end.close()
                 if os.environ.get("PIPESERVE_STAGE_STATS"):
                     stats = dict(rank=self.ctx.rank, stage=self.ctx.stage, **self.busy.summary())
                     print("STAGE_STATS " + json.dumps(stats), flush=True)
@@ -314,6 +333,16 @@ class BusyTimer:
                 "num_steps": len(self.spans)}
 
 
+def _token_ids(plan: StepPlan) -> list[int]:
+    """The plan's packed input tokens; a fed decode's is a placeholder 0 until stage 0's patch."""
+    ids: list[int] = []
+    for s in plan.seqs:
+        ids += s.new_token_ids
+        if s.feed_step >= 0:
+            ids.append(0)
+    return ids
+
+
 def _device(config: EngineConfig, local_rank: int) -> torch.device:
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
@@ -327,7 +356,7 @@ def main() -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = _device(config, local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp)
+    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback)
     transport = TransportConfig(liveness_timeout_s=config.parallel.liveness_timeout_s,
                                 handshake_timeout_s=600.0)
     channel = None

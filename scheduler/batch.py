@@ -35,7 +35,10 @@ class ScheduledRequest:
     """Snapshot of the request's blocks after allocation; covers ``context_len`` slots. Shared
     with other steps' snapshots while the table does not grow: never mutate it."""
     needs_sample: bool
-    """The chunk reaches the end of the known tokens, so one token must be sampled for it."""
+    """The chunk reaches the end of the request's tokens, so one token must be sampled for it."""
+    feed_step: int = -1
+    """Token feedback: the step whose sampled token is this decode's input (not known to the
+    host when planned; the first stage takes it from the last on the device); -1 otherwise."""
 
     @property
     def request_id(self) -> str:
@@ -85,8 +88,10 @@ class BatchBuilder:
         allow_prompt_over_budget: bool,
         now: float,
         admission_gate: AdmissionGate | None = None,
+        step_id: int = 0,
     ) -> None:
         self.config = config
+        self.step_id = step_id
         self.block_manager = block_manager
         self.cost_model = cost_model
         self.running = running  # sorted by arrival order
@@ -127,9 +132,13 @@ class BatchBuilder:
         return self.config.max_num_batched_tokens - self.num_tokens
 
     def running_decodes(self) -> list[Request]:
-        """Schedulable running requests with exactly one token left, in arrival order."""
+        """Schedulable running requests with exactly one token left, in arrival order; with
+        token feedback, also those whose newest pending token can be fed to this step."""
         unblocked = self._is_unblocked
-        return [r for r in self.running if r.num_remaining_tokens == 1 and unblocked(r)]
+        if self.config.feedback_distance is None:
+            return [r for r in self.running if r.num_remaining_tokens == 1 and unblocked(r)]
+        fed = self._can_feed
+        return [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
 
     def running_prefills(self) -> list[Request]:
         """Schedulable running requests with more than one token left, in arrival order."""
@@ -261,6 +270,22 @@ class BatchBuilder:
         self._add(request, num_tokens)
         return True
 
+    def _can_feed(self, request: Request) -> bool:
+        """Token feedback: a decode whose input is its newest pending token may join, if that
+        token's step is ``feedback_distance`` steps back (the first stage gets it from the last
+        in time) and the token it samples is within max_tokens and max_model_len."""
+        pending = request.num_pending_tokens
+        if not pending or request.status is not RequestStatus.RUNNING:
+            return False
+        if self.step_id - request.sample_step < self.config.feedback_distance:
+            return False
+        if request.request_id in self._ids:
+            return False
+        limit = request.max_output_tokens
+        if limit is not None and request.num_output_tokens + pending >= limit:
+            return False
+        return request.num_tokens + pending < self.config.max_model_len
+
     def _is_unblocked(self, request: Request) -> bool:
         """Running, not awaiting its sampled token, not in this batch already, and not behind
         an in-flight chunk (unless consecutive chunks are allowed)."""
@@ -297,16 +322,21 @@ class BatchBuilder:
             self.num_over_budget_tokens = num_tokens
         request_id, computed = request.request_id, request.num_computed_tokens
         context_len = computed + num_tokens
-        needs_sample = context_len == request.num_tokens
+        known = request.num_tokens
+        pending = request.num_pending_tokens
+        needs_sample = context_len == known + pending
+        feed_step = request.sample_step if pending else -1  # (only a fed decode gets here pending)
         table = self.block_manager.table_snapshot(request_id)
         # Positional: keyword arguments would double the cost of this, once per sequence.
-        self.scheduled.append(ScheduledRequest(request, num_tokens, computed, table, needs_sample))
+        self.scheduled.append(ScheduledRequest(request, num_tokens, computed, table, needs_sample, feed_step))
         self._ids.add(request_id)
-        if self._caching:
-            self.block_manager.note_scheduled(request, context_len)
+        if self._caching:  # (blocks are keyed by their tokens: only known ones)
+            self.block_manager.note_scheduled(request, min(context_len, known))
         request.num_computed_tokens = context_len  # in flight from now on
         request.num_inflight_chunks += 1
-        request.awaiting_token = needs_sample
+        if needs_sample:
+            request.num_pending_tokens = pending + 1
+            request.sample_step = self.step_id
         self.num_tokens += num_tokens
         self.attn_work += attention_work(computed, num_tokens)
 

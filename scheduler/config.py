@@ -60,6 +60,13 @@ class SchedulerConfig:
     cache hit) fits beside what the running requests may still grow into, so admissions do
     not evict the live groups' prefixes or cause preemptions."""
 
+    feedback_distance: int | None = None
+    """Token feedback (set by the engine for pipeline parallelism, ``parallel.token_feedback``):
+    a request whose sampled token is not back yet may have its next decode scheduled once this
+    many micro-batches (the number of stages) have been scheduled since the one that samples
+    it; the last stage hands the token to the first on the device. None: a request waits for
+    its token (``Scheduler.update``) before its next decode."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; expected one of {POLICIES}")
@@ -77,5 +84,9 @@ class SchedulerConfig:
         for name in ("allow_same_request_in_consecutive_chunks", "enable_prefix_caching", "prefix_grouping"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
+        if self.feedback_distance is not None and (
+            not isinstance(self.feedback_distance, int) or self.feedback_distance < 1
+        ):
+            raise ValueError(f"feedback_distance must be a positive int or None, got {self.feedback_distance!r}")
         if self.prefix_grouping and not self.enable_prefix_caching:
             raise ValueError("prefix_grouping needs enable_prefix_caching")

@@ -33,10 +33,13 @@ class Request:
     """One generation request as the scheduler sees it.
 
     ``num_computed_tokens`` counts tokens whose KV is computed *or in flight*: the scheduler
-    advances it when it schedules a chunk, not when the chunk's result comes back. A request
-    whose scheduled chunk reaches the end of its known tokens sets ``awaiting_token`` until
-    ``Scheduler.update`` appends the sampled token; until then it is not schedulable.
-    ``sampling_params`` is opaque here; the engine reads it.
+    advances it when it schedules a chunk, not when the chunk's result comes back. A chunk that
+    reaches the end of the request's tokens samples one more: that token is *pending* until
+    ``Scheduler.update`` appends it (``awaiting_token``). Without token feedback a request with
+    a pending token is not schedulable; with it (``SchedulerConfig.feedback_distance``) its next
+    decode may be, taking the newest pending token as input on the device, so up to a few
+    tokens can be pending. While any is, ``num_computed_tokens == num_tokens +
+    num_pending_tokens - 1``. ``sampling_params`` is opaque here; the engine reads it.
     """
 
     __slots__ = (
@@ -49,7 +52,9 @@ class Request:
         "arrival_time",
         "sampling_params",
         "num_preemptions",
-        "awaiting_token",
+        "num_pending_tokens",
+        "sample_step",
+        "max_output_tokens",
         "num_inflight_chunks",
         "first_scheduled_time",
     )
@@ -61,6 +66,7 @@ class Request:
         *,
         arrival_time: float = 0.0,
         sampling_params: object = None,
+        max_output_tokens: int | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)  # never changes
@@ -71,7 +77,10 @@ class Request:
         self.arrival_time = arrival_time
         self.sampling_params = sampling_params
         self.num_preemptions = 0
-        self.awaiting_token = False
+        self.num_pending_tokens = 0  # sampled in flight, not yet appended
+        self.sample_step = -1  # step id of the newest chunk that samples a pending token
+        # Most output tokens (None: up to max_model_len); token feedback never plans past it.
+        self.max_output_tokens = max_output_tokens
         # Scheduled chunks whose results update() has not yet seen (pipeline depth > 1).
         self.num_inflight_chunks = 0
         self.first_scheduled_time: float | None = None
@@ -98,6 +107,11 @@ class Request:
         if stop <= num_prompt:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]
+
+    @property
+    def awaiting_token(self) -> bool:
+        """A sampled token of this request is in flight (not yet appended)."""
+        return self.num_pending_tokens > 0
 
     @property
     def num_remaining_tokens(self) -> int:
@@ -127,5 +141,5 @@ class Request:
         return (
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_prompt_tokens}"
             f"+{self.num_output_tokens}, computed={self.num_computed_tokens},"
-            f" inflight={self.num_inflight_chunks}, awaiting={self.awaiting_token})"
+            f" inflight={self.num_inflight_chunks}, pending={self.num_pending_tokens})"
         )

@@ -113,7 +113,7 @@ class Scheduler:
         self.block_manager.free(request_id)
         del self._arrival_order[request_id]
         request.status = status
-        request.awaiting_token = False
+        request.num_pending_tokens = 0
         return True
 
     def abort_request(self, request_id: str) -> bool:
@@ -166,10 +166,12 @@ class Scheduler:
             allow_prompt_over_budget=not self.policy.chunks_prompts,
             now=self._clock(),
             admission_gate=self._admission_gate,
+            step_id=self._next_step_id,
         )
         self.policy.schedule(batch)
         output = batch.build(self._next_step_id)
-        self._next_step_id += 1
+        if not output.is_empty:  # (step ids count the micro-batches that run: see feedback_distance)
+            self._next_step_id += 1
         self.num_preemptions += len(output.preempted)
         stats = self._prefix_stats
         stats.num_prompt_tokens += batch.num_new_prompt_tokens
@@ -211,12 +213,14 @@ class Scheduler:
 
     def _append_token(self, scheduled: ScheduledRequest, token_id: int) -> None:
         request = scheduled.request
-        # The chunk that asked for this token is the request's latest: nothing of it was
-        # scheduled since (it was awaiting) and it was not preempted (in flight).
+        # The chunk that asked for this token sampled the oldest pending one: results come in
+        # schedule order. Only fed decodes (which compute pending tokens) were scheduled since,
+        # and the request was not preempted (in flight).
         num_tokens = request.num_tokens + 1  # with the new token
-        assert request.num_computed_tokens == scheduled.context_len == num_tokens - 1
+        assert scheduled.context_len == num_tokens - 1, (scheduled, request)
+        assert request.num_computed_tokens == num_tokens + request.num_pending_tokens - 2, request
         request.output_token_ids.append(token_id)
-        request.awaiting_token = False
+        request.num_pending_tokens -= 1
         if num_tokens >= self.config.max_model_len:
             self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
 

@@ -289,7 +289,8 @@ def tiny_folder(tmp_path) -> str:
     return str(folder)
 
 
-def generate_greedy(folder: str, *, device: str, cuda_graph_max_batch: int, tp: int = 1, pp: int = 1):
+def generate_greedy(folder: str, *, device: str, cuda_graph_max_batch: int, tp: int = 1, pp: int = 1,
+                    token_feedback: bool = False):
     """Greedy token ids of 24 prompts of varied lengths and output lengths, so the decode
     batch shrinks through many (padded) bucket sizes; also the runner's replay count."""
     from pipeserve import LLM, SamplingParams
@@ -302,7 +303,7 @@ def generate_greedy(folder: str, *, device: str, cuda_graph_max_batch: int, tp: 
         model=folder, device=device, dtype="float32", num_kv_blocks=256, max_model_len=256,
         cuda_graph_max_batch=cuda_graph_max_batch, cuda_graphs_in_workers=tp * pp > 1,
         scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=32),
-        parallel=ParallelConfig(tp=tp, pp=pp),
+        parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback),
     )
     with LLM.from_config(config) as llm:
         outs = llm.generate(prompts, params)
@@ -330,12 +331,15 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp):
-    """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside).
-    It checks outputs only, not that the workers replayed."""
+@pytest.mark.parametrize("tp, pp, feedback", [(2, 1, False), (1, 2, False), (1, 2, True)],
+                         ids=["tp2", "pp2", "pp2-feedback"])
+def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback):
+    """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside;
+    token feedback: NCCL ids from the last stage patched into the static input ids before a
+    replay). It checks outputs only, not that the workers replayed."""
     eager, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=0)
-    graphed, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=256, tp=tp, pp=pp)
+    graphed, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=256, tp=tp, pp=pp,
+                                 token_feedback=feedback)
     assert graphed == eager
 
 

@@ -1,0 +1,155 @@
+"""Token feedback: sampled token ids go from the last pipeline stage to the first on the data plane.
+
+With pipeline parallelism a request's next decode needs the token its previous micro-batch
+samples on the last stage. Without feedback that token travels last stage → engine (ZeroMQ) →
+update → schedule → plan → first stage, and the stages wait for that round trip on every
+micro-batch. With feedback (``parallel.token_feedback``) the engine plans the decode as soon
+as the sampling micro-batch is ``pp`` steps back, before its result is in, and marks the input
+as *fed* (``SeqPlan.feed_step``); the last stage's driver sends each sampling micro-batch's
+token ids to every first-stage rank, and the first stage writes them into its input ids on the
+device. The engine's round trip then runs beside the pipeline instead of stalling it.
+
+Both ends know each message's length from the plans (every rank sees every plan), so only the
+ids travel: one message per micro-batch that samples, in step order, on a communicator of their
+own (``ParallelContext.feedback_group``) so they never queue behind the hidden states. On CUDA
+nothing here blocks the host: the receive is ordered before the embedding on the stream.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeserve.parallel.wire import StepPlan
+
+
+def warm_up(group: dist.ProcessGroup, *, src: int, dsts: list[int], rank: int, device: torch.device) -> None:
+    """One exchange at start-up: NCCL creates a pair's communicator on its first send or
+    receive, blocking both hosts until the other arrives, which must not happen mid-run."""
+    buf = torch.zeros(1, dtype=torch.int64, device=device)
+    if rank == src:
+        for work in [dist.isend(buf, dst=d, group=group) for d in dsts]:
+            work.wait()
+    elif rank in dsts:
+        dist.recv(buf, src=src, group=group)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class FeedbackSender:
+    """The last stage's driver: sends each sampling micro-batch's token ids to the first stage."""
+
+    def __init__(self, group: dist.ProcessGroup, dsts: list[int]) -> None:
+        self.group, self.dsts = group, dsts
+        self._pending: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
+
+    def send(self, token_ids: torch.Tensor) -> None:
+        """``token_ids``: [N] int64 on this rank's device (N = the plan's sampled sequences)."""
+        token_ids = token_ids.contiguous()
+        works = [dist.isend(token_ids, dst=d, group=self.group) for d in self.dsts]
+        self._pending.append((works, token_ids))  # the tensor lives until sent
+        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
+            self._pending.popleft()
+
+    def close(self) -> None:
+        """Waits for every send (the first stage drains its receives at shutdown too)."""
+        while self._pending:
+            for work in self._pending.popleft()[0]:
+                work.wait()
+
+
+class FeedPatch:
+    """A plan's fed decode tokens: rows of its packed input ids ← entries of received tensors."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.parts = parts  # (received token ids, [2, m] rows / indices on the same device)
+
+    def __call__(self, input_ids: torch.Tensor) -> None:
+        for tokens, index in self.parts:
+            input_ids[index[0]] = tokens[index[1]]
+
+
+class FeedbackReceiver:
+    """A first-stage rank: receives every sampling micro-batch's token ids, in step order, and
+    patches the fed decodes of later plans with them."""
+
+    _PRUNE_EVERY = 32
+
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device) -> None:
+        self.group, self.src, self.device = group, src, device
+        self._last: dict[str, tuple[int, int]] = {}  # request -> (its newest sampling step, row)
+        self._expected: deque[tuple[int, int]] = deque()  # (step, tokens) not yet received
+        self._received: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        self._waited: set[int] = set()
+        self._num_plans = 0
+
+    def take(self, plan: StepPlan) -> FeedPatch | None:
+        """Call for every plan, in order, before its forward: the patch of its fed decodes
+        (None if it has none); then notes which of its sequences sample."""
+        for rid in plan.freed:
+            self._last.pop(rid, None)
+        rows: dict[int, tuple[list[int], list[int]]] = {}
+        offset = 0
+        for s in plan.seqs:
+            if s.feed_step >= 0:
+                step, index = self._last.get(s.request_id, (-1, -1))
+                if step != s.feed_step:
+                    raise RuntimeError(
+                        f"step {plan.step_id}: {s.request_id} is fed from step {s.feed_step}, but its"
+                        f" newest sampling step here is {step}"
+                    )
+                r, i = rows.setdefault(step, ([], []))
+                r.append(offset)
+                i.append(index)
+            offset += s.num_scheduled_tokens
+        patch = self._patch(rows) if rows else None
+        num_sampled = 0
+        for s in plan.seqs:
+            if s.needs_sample:
+                self._last[s.request_id] = (plan.step_id, num_sampled)
+                num_sampled += 1
+        if num_sampled:
+            self._expected.append((plan.step_id, num_sampled))
+        self._num_plans += 1
+        if self._num_plans % self._PRUNE_EVERY == 0:
+            self._prune()
+        return patch
+
+    def _patch(self, rows: dict[int, tuple[list[int], list[int]]]) -> FeedPatch:
+        self._receive_until(max(rows))
+        parts = []
+        for step, index in rows.items():
+            work, tokens = self._received[step]
+            if step not in self._waited:  # CUDA: the stream waits; gloo: the host
+                work.wait()
+                self._waited.add(step)
+            index = torch.from_numpy(np.array(index, dtype=np.int64)).to(self.device, non_blocking=True)
+            parts.append((tokens, index))
+        return FeedPatch(parts)
+
+    def _receive_until(self, step_id: int) -> None:
+        """Posts the receives of every sampling step up to ``step_id``, in order."""
+        while self._expected and self._expected[0][0] <= step_id:
+            step, n = self._expected.popleft()
+            tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+            self._received[step] = (dist.irecv(tokens, src=self.src, group=self.group), tokens)
+
+    def _prune(self) -> None:
+        """Drops received ids that no request can be fed from any more."""
+        live = {step for step, _ in self._last.values()}
+        for step in [s for s, (work, _) in self._received.items() if s not in live and work.is_completed()]:
+            del self._received[step]
+            self._waited.discard(step)
+
+    def close(self) -> None:
+        """At shutdown: receives what the last stage still sends (its sends then complete)."""
+        if self._expected:
+            self._receive_until(self._expected[-1][0])
+        for work, _ in self._received.values():
+            work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._received.clear()
