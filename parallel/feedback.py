@@ -47,7 +47,10 @@ class FeedbackSender:
         self._pending: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
 
     def send(self, token_ids: torch.Tensor) -> None:
-        """``token_ids``: [N] int64 on this rank's device (N = the plan's sampled sequences)."""
+        """``token_ids``: [N] int64 on this rank's device (N = the plan's sampled sequences).
+        A plan that samples nothing sends nothing (the first stage expects nothing of it)."""
+        if token_ids.numel() == 0:
+            return
         token_ids = token_ids.contiguous()
         works = [dist.isend(token_ids, dst=d, group=self.group) for d in self.dsts]
         self._pending.append((works, token_ids))  # the tensor lives until sent
