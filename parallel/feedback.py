@@ -151,8 +151,9 @@ class FeedbackReceiver:
         """At shutdown: receives what the last stage still sends (its sends then complete)."""
         if self._expected:
             self._receive_until(self._expected[-1][0])
-        for work, _ in self._received.values():
-            work.wait()
+        for step, (work, _) in self._received.items():
+            if step not in self._waited:  # never twice: a gloo receive's second wait blocks
+                work.wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._received.clear()
