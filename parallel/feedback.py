@@ -91,7 +91,8 @@ class FeedbackReceiver:
 
     def take(self, plan: StepPlan) -> FeedPatch | None:
         """Call for every plan, in order, before its forward: the patch of its fed decodes
-        (None if it has none); then notes which of its sequences sample."""
+        (None if it has none); then notes which of its sequences sample (``post`` receives them
+        after the plan's hidden states are sent)."""
         for rid in plan.freed:
             self._last.pop(rid, None)
         rows: dict[int, tuple[list[int], list[int]]] = {}
@@ -121,8 +122,18 @@ class FeedbackReceiver:
             self._prune()
         return patch
 
+    def post(self) -> None:
+        """Posts the receives of every sampling plan taken so far. Call once the plan's hidden
+        states are on their way: a receive posted late would leave the driver's send pending on
+        its GPU, and a device-wide synchronization there (the caching allocator freeing memory
+        for a large batch does one) would then wait for a receive that this rank posts only
+        after the driver's next tokens: a deadlock. Posted early, every send completes as soon
+        as the driver runs it."""
+        if self._expected:
+            self._receive_until(self._expected[-1][0])
+
     def _patch(self, rows: dict[int, tuple[list[int], list[int]]]) -> FeedPatch:
-        self._receive_until(max(rows))
+        self._receive_until(max(rows))  # (posted already, after the plan that sampled them)
         parts = []
         for step, index in rows.items():
             work, tokens = self._received[step]
@@ -149,8 +160,7 @@ class FeedbackReceiver:
 
     def close(self) -> None:
         """At shutdown: receives what the last stage still sends (its sends then complete)."""
-        if self._expected:
-            self._receive_until(self._expected[-1][0])
+        self.post()
         for step, (work, _) in self._received.items():
             if step not in self._waited:  # never twice: a gloo receive's second wait blocks
                 work.wait()

@@ -131,6 +131,8 @@ class Worker:
         if not self.ctx.is_last_stage:
             self.busy.end(plan.step_id)
             self._send(hidden)
+            if self.feedback_receiver is not None:
+                self.feedback_receiver.post()  # this plan's sampled ids, from the driver
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         self.busy.end(plan.step_id)
