@@ -45,6 +45,7 @@ class Sampler:
         num_output_tokens: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
         on_sampled: Callable[[torch.Tensor], None] | None = None,
+        to_host: bool = True,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -55,6 +56,8 @@ class Sampler:
             ``ignore_eos``, ``eos_token_ids`` (their logits are set to -inf).
         on_sampled: called with the [N] int64 token ids on the logits' device before they are
             copied to the host (token feedback sends them on from there).
+        to_host: False leaves ``token_ids`` on the logits' device (no synchronization) when no
+            row asks for logprobs; the caller brings them over.
         """
         assert logits.dim() == 2, f"logits must be [N, V], got {tuple(logits.shape)}"
         num_rows = logits.shape[0]
@@ -70,6 +73,8 @@ class Sampler:
         token_ids = _sample(logits, params, generators)  # [N] int64, on the logits' device
         if on_sampled is not None:
             on_sampled(token_ids)
+        if not to_host and raw_logprobs is None:
+            return SamplerOutput(token_ids=token_ids, logprobs=None)
         token_ids_cpu = token_ids.cpu()
         logprobs = None
         if raw_logprobs is not None:

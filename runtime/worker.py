@@ -106,7 +106,7 @@ class Worker:
     # ---- one micro-batch ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult | None:
+    def execute(self, plan: StepPlan) -> StepResult | _PendingResult | None:
         for rid in plan.freed:
             self._generators.pop(rid, None)
             self._params.pop(rid, None)
@@ -175,13 +175,19 @@ class Worker:
             self._pending_send[0].wait()
             self._pending_send = None
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult | _PendingResult:
         seqs = [s for s in plan.seqs if s.needs_sample]
         params = [self._params_of(s) for s in seqs]
         gens = [self._generator_of(s, p) for s, p in zip(seqs, params)]
         sender = self.feedback_sender
+        # With token feedback nothing waits for this result on the critical path: leave the ids
+        # on the device and go on to the next plan; serve() sends the result once they are here.
+        defer = sender is not None and self.device.type == "cuda"
         out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
-                           eos_token_ids=self.eos_token_ids, on_sampled=None if sender is None else sender.send)
+                           eos_token_ids=self.eos_token_ids, on_sampled=None if sender is None else sender.send,
+                           to_host=not defer)
+        if out.token_ids.device.type != "cpu":
+            return _PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds)
         logprobs = None
         if out.logprobs is not None and any(lp is not None for lp in out.logprobs):
             logprobs = [lp or {} for lp in out.logprobs]
@@ -211,15 +217,23 @@ class Worker:
     # ---- the loop ----------------------------------------------------------------------------
 
     def serve(self, channel: WorkerChannel) -> None:
-        """Runs plans in order until Shutdown; exits if the engine goes silent."""
+        """Runs plans in order until Shutdown; exits if the engine goes silent. Results whose
+        ids are still on their way from the device (``_PendingResult``) go out as soon as they
+        are here, and before this rank waits for a plan (the engine matches results by step)."""
+        pending: deque[_PendingResult] = deque()
         while True:
-            msg = channel.recv_plan(timeout_s=1.0)
+            msg = channel.recv_plan(timeout_s=0.0 if pending else 1.0)
             if msg is None:
+                if pending:
+                    channel.send(pending.popleft().result())
+                    continue
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
                 self.busy.poll()  # idle: the last steps' busy time reaches the heartbeat
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
+                while pending:
+                    channel.send(pending.popleft().result())
                 self.wait_sends()
                 for end in (self.feedback_sender, self.feedback_receiver):
                     if end is not None:
@@ -231,8 +245,31 @@ class Worker:
                     self._write_stage_timeline(out_dir)
                 return
             result = self.execute(msg)
-            if result is not None:
+            if isinstance(result, _PendingResult):
+                pending.append(result)
+            elif result is not None:
                 channel.send(result)
+            while pending and pending[0].ready():
+                channel.send(pending.popleft().result())
+
+
+class _PendingResult:
+    """A step's sampled ids on their way to pinned host memory (the driver, token feedback)."""
+
+    def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float) -> None:
+        self.step_id, self.request_ids, self.seconds = step_id, request_ids, seconds
+        self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        self.host.copy_(token_ids, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def ready(self) -> bool:
+        return self.event.query()
+
+    def result(self) -> StepResult:
+        self.event.synchronize()
+        return StepResult(step_id=self.step_id, request_ids=self.request_ids, token_ids=self.host.tolist(),
+                          stage_times=[self.seconds])
 
 
 class BusyTimer:
