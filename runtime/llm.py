@@ -39,7 +39,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         num_microbatches_in_flight: int | None = None,
-        token_feedback: bool = False,
+        token_feedback: bool = True,
         enable_prefix_caching: bool = False,
         prefix_grouping: bool = False,
         kernel_backend: str = "auto",
