@@ -212,8 +212,8 @@ def stage_summary(timeline: StageTimeline, wall_start: float, wall_end: float) -
 def loaded_window(requests: Sequence[RequestTimes], depth: int) -> tuple[float, float] | None:
     """[first arrival, the moment fewer than ``depth`` requests are left unfinished]: the span in
     which the engine could keep ``depth`` micro-batches in flight. After it (the drain) a
-    pipeline of ``depth`` stages has bubbles by construction, since one request's decode is
-    never in two micro-batches at once. None when there are fewer than ``depth`` requests."""
+    pipeline has bubbles by construction, since a request decodes at most once per ``pp``
+    micro-batches. None when there are fewer than ``depth`` requests."""
     finishes = sorted(r.finished for r in requests)
     if len(finishes) < depth or depth < 1:
         return None
