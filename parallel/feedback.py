@@ -42,9 +42,16 @@ def warm_up(group: dist.ProcessGroup, *, src: int, dsts: list[int], rank: int, d
 class FeedbackSender:
     """The last stage's driver: sends each sampling micro-batch's token ids to the first stage."""
 
+    _MAX_PENDING = 8
+    """Sends kept before the oldest is waited for. gloo reports a send completed only once
+    waited for, so without this bound the queue would grow for the server's whole life; the
+    first stage posts each receive right after the plan's hidden states, so the oldest of eight
+    is long matched and the wait returns at once (on CUDA it only orders the stream)."""
+
     def __init__(self, group: dist.ProcessGroup, dsts: list[int]) -> None:
         self.group, self.dsts = group, dsts
         self._pending: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
+        self._cuda = False
 
     def send(self, token_ids: torch.Tensor) -> None:
         """``token_ids``: [N] int64 on this rank's device (N = the plan's sampled sequences).
@@ -52,16 +59,22 @@ class FeedbackSender:
         if token_ids.numel() == 0:
             return
         token_ids = token_ids.contiguous()
+        self._cuda = token_ids.is_cuda
         works = [dist.isend(token_ids, dst=d, group=self.group) for d in self.dsts]
         self._pending.append((works, token_ids))  # the tensor lives until sent
         while self._pending and all(w.is_completed() for w in self._pending[0][0]):
             self._pending.popleft()
+        while len(self._pending) > self._MAX_PENDING:
+            for work in self._pending.popleft()[0]:
+                work.wait()
 
     def close(self) -> None:
         """Waits for every send (the first stage drains its receives at shutdown too)."""
         while self._pending:
             for work in self._pending.popleft()[0]:
                 work.wait()
+        if self._cuda:  # (an NCCL wait only orders the stream)
+            torch.cuda.synchronize()
 
 
 class FeedPatch:
@@ -80,6 +93,10 @@ class FeedbackReceiver:
     patches the fed decodes of later plans with them."""
 
     _PRUNE_EVERY = 32
+    _PRUNE_AGE = 64
+    """A received step this many plans old that no request can be fed from is dropped even if
+    nobody waited for it (gloo reports a receive completed only once waited for; the driver,
+    at most the pipeline depth behind, sent it long ago, so the one wait returns at once)."""
 
     def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device) -> None:
         self.group, self.src, self.device = group, src, device
@@ -119,7 +136,7 @@ class FeedbackReceiver:
             self._expected.append((plan.step_id, num_sampled))
         self._num_plans += 1
         if self._num_plans % self._PRUNE_EVERY == 0:
-            self._prune()
+            self._prune(plan.step_id)
         return patch
 
     def post(self) -> None:
@@ -151,10 +168,18 @@ class FeedbackReceiver:
             tokens = torch.empty(n, dtype=torch.int64, device=self.device)
             self._received[step] = (dist.irecv(tokens, src=self.src, group=self.group), tokens)
 
-    def _prune(self) -> None:
+    def _prune(self, newest: int) -> None:
         """Drops received ids that no request can be fed from any more."""
         live = {step for step, _ in self._last.values()}
-        for step in [s for s, (work, _) in self._received.items() if s not in live and work.is_completed()]:
+        old = newest - self._PRUNE_AGE
+        for step, (work, _) in list(self._received.items()):
+            if step in live:
+                continue
+            if not work.is_completed():
+                if step > old:
+                    continue
+                if step not in self._waited:  # (never twice)
+                    work.wait()
             del self._received[step]
             self._waited.discard(step)
 

@@ -111,7 +111,13 @@ class Worker:
             self._generators.pop(rid, None)
             self._params.pop(rid, None)
         tables = self.mirror.apply_plan(plan)
-        feed = None if self.feedback_receiver is None else self.feedback_receiver.take(plan)
+        if self.feedback_receiver is not None:
+            feed = self.feedback_receiver.take(plan)
+        else:
+            feed = None
+            if self.ctx.is_first_stage and any(s.feed_step >= 0 for s in plan.seqs):
+                raise RuntimeError("a plan feeds a decode but this worker runs without token feedback "
+                                   "(parallel.token_feedback differs between the engine and the workers)")
         step = StepInputs(
             request_ids=[s.request_id for s in plan.seqs],
             token_ids=_token_ids(plan),
@@ -248,7 +254,10 @@ class Worker:
             if isinstance(result, _PendingResult):
                 pending.append(result)
             elif result is not None:
-                channel.send(result)
+                if pending:  # behind the older results, in step order
+                    pending.append(_PendingResult.ready_now(result))
+                else:
+                    channel.send(result)
             while pending and pending[0].ready():
                 channel.send(pending.popleft().result())
 
@@ -262,11 +271,21 @@ class _PendingResult:
         self.host.copy_(token_ids, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
+        self._done: StepResult | None = None
+
+    @classmethod
+    def ready_now(cls, result: StepResult) -> _PendingResult:
+        """A result already on the host, queued behind deferred ones."""
+        pending = cls.__new__(cls)
+        pending._done = result
+        return pending
 
     def ready(self) -> bool:
-        return self.event.query()
+        return self._done is not None or self.event.query()
 
     def result(self) -> StepResult:
+        if self._done is not None:
+            return self._done
         self.event.synchronize()
         return StepResult(step_id=self.step_id, request_ids=self.request_ids, token_ids=self.host.tolist(),
                           stage_times=[self.seconds])

@@ -115,7 +115,8 @@ class Request:
 
     @property
     def num_remaining_tokens(self) -> int:
-        """Known tokens not yet computed nor in flight."""
+        """Known tokens not yet computed nor in flight (0, or below 0 with token feedback, while
+        sampled tokens are pending)."""
         return self.num_prompt_tokens + len(self.output_token_ids) - self.num_computed_tokens
 
     @property

@@ -114,7 +114,7 @@ def test_outputs_match_greedy_reference(policy, distance):
     sched = scheduler(policy, distance=distance, max_num_batched_tokens=12)
     reqs = requests(lens)
     pipe, _ = drive(sched, reqs, outs, depth=distance + 1)
-    assert {r.request_id: r.output_token_ids[: n] for r, n in zip(reqs, outs)} == reference(lens, outs)
+    assert {r.request_id: r.output_token_ids for r in reqs} == reference(lens, outs)
     # (faster_transformer runs one batch at a time: nothing to overlap, nothing fed)
     assert (pipe.num_fed > 0) == (policy != "faster_transformer")
     assert sched.block_manager.num_free_blocks == 64
@@ -155,12 +155,44 @@ def test_distance_counts_micro_batches_that_run():
 
 
 def test_max_output_tokens_bounds_fed_decodes():
-    lens, outs = [4, 7, 2], [3, 1, 5]
-    sched = scheduler(distance=2, max_num_batched_tokens=16)
+    lens, outs = [4, 7, 5, 3], [3, 1, 6, 4]  # a budget of 4: the requests alternate micro-batches
     reqs = requests(lens, max_outputs=outs)
-    _, wasted = drive(sched, reqs, outs, depth=3)
+    pipe, wasted = drive(scheduler(distance=2, max_num_batched_tokens=4), reqs, outs, depth=3)
+    assert pipe.num_fed > 0
     assert wasted == 0  # never a decode past max_tokens
     assert {r.request_id: r.output_token_ids for r in reqs} == reference(lens, outs)
+    # Without the bound the same run computes (and drops) decodes past the stop.
+    _, wasted = drive(scheduler(distance=2, max_num_batched_tokens=4), requests(lens), outs, depth=3)
+    assert wasted > 0
+
+
+def test_max_model_len_bounds_fed_decodes():
+    """Requests run into max_model_len (finished there by the scheduler, FINISHED_LENGTH)."""
+    lens = [10, 12, 9]
+    sched = scheduler(distance=2, max_model_len=20, max_num_batched_tokens=6)
+    reqs = requests(lens)
+    pipe, wasted = drive(sched, reqs, [100, 100, 100], depth=3)
+    assert pipe.num_fed > 0 and wasted == 0
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_tokens == 20 for r in reqs)
+    ref = reference(lens, [20 - n for n in lens])
+    assert {r.request_id: r.output_token_ids for r in reqs} == ref
+
+
+def test_prefix_caching_with_pending_tokens():
+    """Shared prompt prefixes with caching on: blocks are keyed by known tokens only, and a fed
+    decode's block is never indexed before its token is known."""
+    base = [(5 * j) % 89 + 1 for j in range(12)]
+    reqs = [Request(f"r{i}", base + [i + 1] * (i + 1), arrival_time=float(i)) for i in range(5)]
+    outs = [7, 5, 9, 4, 6]
+    sched = scheduler(distance=2, max_num_batched_tokens=8, enable_prefix_caching=True)
+    pipe, _ = drive(sched, reqs, outs, depth=3)
+    assert pipe.num_fed > 0
+    for r, n in zip(reqs, outs):
+        tokens = list(r.prompt_token_ids)
+        for _ in range(n):
+            tokens.append(next_token(tokens))
+        assert r.output_token_ids == tokens[r.num_prompt_tokens:]
+    assert sched.prefix_cache_stats.num_cached_prompt_tokens > 0
 
 
 def test_early_stop_drops_the_fed_decode_in_flight():
@@ -169,7 +201,7 @@ def test_early_stop_drops_the_fed_decode_in_flight():
     reqs = requests(lens)
     _, wasted = drive(sched, reqs, outs, depth=3)
     assert wasted >= 1
-    assert {r.request_id: r.output_token_ids[: n] for r, n in zip(reqs, outs)} == reference(lens, outs)
+    assert {r.request_id: r.output_token_ids for r in reqs} == reference(lens, outs)
     assert sched.block_manager.num_free_blocks == 64
 
 
