@@ -1,0 +1,94 @@
+"""The token-feedback channel alone, over a real gloo pair: the driver sends every sampling
+step's ids, the first stage patches fed decodes with the right ones, and neither end keeps
+state without bound on a long run (gloo reports a send or receive complete only once waited)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
+from pipeserve.parallel.wire import SamplingSpec, SeqPlan, StepPlan
+
+NUM_STEPS = 300
+SPEC = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, logprobs=None,
+                    min_tokens=0, stop_token_ids=[])
+
+
+def plan(step: int) -> StepPlan:
+    """Even steps: request "a", fed from the even step before (after its prompt at step 0).
+    Odd steps: a fresh one-token request that samples and is never fed (freed next step)."""
+    if step % 2:
+        seqs = [SeqPlan(request_id=f"c{step}", num_computed_tokens=0, num_scheduled_tokens=1,
+                        new_token_ids=[7], block_table=[0], needs_sample=True, sampling=SPEC)]
+        return StepPlan(step_id=step, seqs=seqs)
+    if step == 0:
+        seq = SeqPlan(request_id="a", num_computed_tokens=0, num_scheduled_tokens=3, new_token_ids=[1, 2, 3],
+                      block_table=[0], needs_sample=True, sampling=SPEC)
+    else:
+        seq = SeqPlan(request_id="a", num_computed_tokens=2 + step // 2, num_scheduled_tokens=1, new_token_ids=[],
+                      block_table_diff=[], needs_sample=True, sampling=SPEC, feed_step=step - 2)
+    return StepPlan(step_id=step, seqs=[seq], freed=[f"c{step - 1}"] if step > 1 else [])
+
+
+def sampled(step: int) -> torch.Tensor:
+    return torch.tensor([1000 + step], dtype=torch.int64)
+
+
+def _run(rank: int, init_file: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    group = dist.new_group([0, 1])
+    device = torch.device("cpu")
+    warm_up(group, src=1, dsts=[0], rank=rank, device=device)
+    if rank == 1:  # the driver
+        sender, most = FeedbackSender(group, [0]), 0
+        for step in range(NUM_STEPS):
+            sender.send(sampled(step))
+            most = max(most, len(sender._pending))
+        sender.close()
+        out["sender_most_pending"] = most
+    else:  # the first stage
+        receiver, most, fed = FeedbackReceiver(group, src=1, device=device), 0, 0
+        for step in range(NUM_STEPS):
+            p = plan(step)
+            patch = receiver.take(p)
+            if step % 2 == 0 and step > 0:
+                ids = torch.zeros(1, dtype=torch.int64)
+                patch(ids)
+                assert ids.item() == 1000 + step - 2, (step, ids)
+                fed += 1
+            else:
+                assert patch is None
+            receiver.post()  # (after the plan's hidden states, as the worker does)
+            most = max(most, len(receiver._received))
+        receiver.close()
+        out["receiver_most_received"], out["fed"] = most, fed
+    dist.destroy_process_group()
+
+
+def _entry(rank: int, init_file: str, results) -> None:
+    out: dict = {}
+    _run(rank, init_file, out)
+    results.put((rank, out))
+
+
+@pytest.mark.timeout(120)
+def test_feedback_channel_over_gloo(tmp_path):
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    init_file = os.path.join(tmp_path, "init")
+    procs = [ctx.Process(target=_entry, args=(r, init_file, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=100)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = dict(results.get(timeout=5) for _ in procs)
+    assert got[0]["fed"] == NUM_STEPS // 2 - 1
+    assert got[1]["sender_most_pending"] <= FeedbackSender._MAX_PENDING
+    # Unread receives (the odd steps) are dropped once old: bounded, not one per step.
+    assert got[0]["receiver_most_received"] <= FeedbackReceiver._PRUNE_AGE + FeedbackReceiver._PRUNE_EVERY + 4
