@@ -111,16 +111,11 @@ class Worker:
             self._generators.pop(rid, None)
             self._params.pop(rid, None)
         tables = self.mirror.apply_plan(plan)
-        if self.feedback_receiver is not None:
-            feed = self.feedback_receiver.take(plan)
-        else:
-            feed = None
-            if self.ctx.is_first_stage and any(s.feed_step >= 0 for s in plan.seqs):
-                raise RuntimeError("a plan feeds a decode but this worker runs without token feedback "
-                                   "(parallel.token_feedback differs between the engine and the workers)")
+        receiver = self.feedback_receiver
+        feed = None if receiver is None else receiver.take(plan)
         step = StepInputs(
             request_ids=[s.request_id for s in plan.seqs],
-            token_ids=_token_ids(plan),
+            token_ids=_token_ids(plan, can_feed=receiver is not None or not self.ctx.is_first_stage),
             query_lens=[s.num_scheduled_tokens for s in plan.seqs],
             start_positions=[s.num_computed_tokens for s in plan.seqs],
             block_tables=tables,
@@ -226,12 +221,12 @@ class Worker:
         """Runs plans in order until Shutdown; exits if the engine goes silent. Results whose
         ids are still on their way from the device (``_PendingResult``) go out as soon as they
         are here, and before this rank waits for a plan (the engine matches results by step)."""
-        pending: deque[_PendingResult] = deque()
+        pending: deque[_PendingResult | StepResult] = deque()  # in step order
         while True:
             msg = channel.recv_plan(timeout_s=0.0 if pending else 1.0)
             if msg is None:
                 if pending:
-                    channel.send(pending.popleft().result())
+                    channel.send(_arrived(pending.popleft()))
                     continue
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
@@ -239,7 +234,7 @@ class Worker:
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
                 while pending:
-                    channel.send(pending.popleft().result())
+                    channel.send(_arrived(pending.popleft()))
                 self.wait_sends()
                 for end in (self.feedback_sender, self.feedback_receiver):
                     if end is not None:
@@ -251,15 +246,10 @@ class Worker:
                     self._write_stage_timeline(out_dir)
                 return
             result = self.execute(msg)
-            if isinstance(result, _PendingResult):
+            if result is not None:
                 pending.append(result)
-            elif result is not None:
-                if pending:  # behind the older results, in step order
-                    pending.append(_PendingResult.ready_now(result))
-                else:
-                    channel.send(result)
-            while pending and pending[0].ready():
-                channel.send(pending.popleft().result())
+            while pending and (isinstance(pending[0], StepResult) or pending[0].ready()):
+                channel.send(_arrived(pending.popleft()))
 
 
 class _PendingResult:
@@ -271,24 +261,19 @@ class _PendingResult:
         self.host.copy_(token_ids, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
-        self._done: StepResult | None = None
-
-    @classmethod
-    def ready_now(cls, result: StepResult) -> _PendingResult:
-        """A result already on the host, queued behind deferred ones."""
-        pending = cls.__new__(cls)
-        pending._done = result
-        return pending
 
     def ready(self) -> bool:
-        return self._done is not None or self.event.query()
+        return self.event.query()
 
     def result(self) -> StepResult:
-        if self._done is not None:
-            return self._done
         self.event.synchronize()
         return StepResult(step_id=self.step_id, request_ids=self.request_ids, token_ids=self.host.tolist(),
                           stage_times=[self.seconds])
+
+
+def _arrived(item: _PendingResult | StepResult) -> StepResult:
+    """The result to send, once its ids are on the host."""
+    return item.result() if isinstance(item, _PendingResult) else item
 
 
 class BusyTimer:
@@ -391,12 +376,16 @@ class BusyTimer:
                 "num_steps": len(self.spans)}
 
 
-def _token_ids(plan: StepPlan) -> list[int]:
-    """The plan's packed input tokens; a fed decode's is a placeholder 0 until stage 0's patch."""
+def _token_ids(plan: StepPlan, *, can_feed: bool) -> list[int]:
+    """The plan's packed input tokens; a fed decode's is a placeholder 0 until stage 0's patch
+    (``can_feed``: this rank has one, or does not embed)."""
     ids: list[int] = []
     for s in plan.seqs:
         ids += s.new_token_ids
         if s.feed_step >= 0:
+            if not can_feed:
+                raise RuntimeError("a plan feeds a decode but this worker runs without token feedback "
+                                   "(parallel.token_feedback differs between the engine and the workers)")
             ids.append(0)
     return ids
 
