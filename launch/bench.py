@@ -263,14 +263,18 @@ def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, opt
     window = [dataclasses.replace(tl, spans=[s for s in tl.spans if s.step_id < run.end_step]) for tl in window]
     stages = [M.stage_summary(tl, run.t0, run.t_end) for tl in sorted(window, key=lambda t: t.rank)]
     loaded = M.loaded_window(run.requests, bench.config.parallel.depth)
+    saturated = M.prompt_pending_intervals(run.requests)
     for st, tl in zip(stages, sorted(window, key=lambda t: t.rank)):
         st["bubble_fraction_loaded"] = M.bubble_in_window(tl, *loaded) if loaded else None
+        st["bubble_fraction_saturated"] = M.bubble_in_intervals(tl, saturated)
     lead = [s for s in stages if s["tp_rank"] == 0]
     result = M.request_summary(run.requests, run.t_end - run.t0)
     result["stages"] = stages
     result["loaded_window_s"] = loaded[1] - loaded[0] if loaded else None
     result["bubble_fraction_mean"] = _mean(s["bubble_fraction"] for s in lead)
     result["bubble_fraction_loaded_mean"] = _mean(s["bubble_fraction_loaded"] for s in lead)
+    result["saturated_s"] = sum(b - a for a, b in saturated)
+    result["bubble_fraction_saturated_mean"] = _mean(s["bubble_fraction_saturated"] for s in lead)
     result["step_time_cv_mean"] = _mean(s["step_time_cv"] for s in lead)
     result["steps"] = M.step_summary(records, prompt_lens)
     result["prefill"] = M.prefill_summary(records, prompt_lens, run.prefix_cache)
@@ -356,12 +360,12 @@ def format_table(result: dict) -> str:
                       ("scheduling delay", "scheduling_delay_s")):
         d = r[key]
         lines.append(f"| {name} | " + " | ".join(ms(d, k) for k in ("mean", "p50", "p90", "p99", "max")) + " |")
-    lines += ["", "| stage | rank | steps | busy s | recv wait s | idle s | bubble | bubble while loaded | step CV |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| stage | rank | steps | busy s | recv wait s | idle s | bubble | while loaded"
+              " | while prompts wait | step CV |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in r["stages"]:
         lines.append(f"| {s['stage']} | {s['rank']} | {s['num_steps']} | {s['busy_s']:.2f} | {s['recv_wait_s']:.2f}"
                      f" | {s['idle_s']:.2f} | {_pct(s['bubble_fraction'])} | {_pct(s.get('bubble_fraction_loaded'))}"
-                     f" | {_num(s['step_time_cv'])} |")
+                     f" | {_pct(s.get('bubble_fraction_saturated'))} | {_num(s['step_time_cv'])} |")
     eff = r["efficiency"]
     pre = r["prefill"]
     ideal = f", ideal {_pct(pre['ideal_saved_fraction'])}" if "ideal_saved_fraction" in pre else ""

@@ -8,6 +8,7 @@ worker stage timelines); nothing touches the device. matplotlib is imported only
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections import deque
@@ -222,10 +223,38 @@ def loaded_window(requests: Sequence[RequestTimes], depth: int) -> tuple[float, 
 
 def bubble_in_window(timeline: StageTimeline, start: float, end: float) -> float | None:
     """1 - busy / (end - start), counting only the compute inside [start, end]."""
-    if end <= start:
+    return bubble_in_intervals(timeline, [(start, end)])
+
+
+def prompt_pending_intervals(requests: Sequence[RequestTimes]) -> list[tuple[float, float]]:
+    """The union of every request's [arrival, first token): the times some prompt was waiting
+    or being prefilled, so a scheduler had prompt tokens to fill micro-batches with (the
+    pipeline is saturated). Sorted, disjoint. Outside them only decodes were left, whose
+    micro-batches shrink with the requests still running (a light load, or the drain)."""
+    spans = sorted((r.arrival, r.first_token) for r in requests if r.first_token > r.arrival)
+    merged: list[tuple[float, float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def bubble_in_intervals(timeline: StageTimeline, intervals: Sequence[tuple[float, float]]) -> float | None:
+    """1 - busy / (their total length), counting only the compute inside disjoint intervals."""
+    total = sum(max(0.0, b - a) for a, b in intervals)
+    if total <= 0:
         return None
-    busy = sum(max(0.0, min(s.end, end) - max(s.start, start)) for s in timeline.spans)
-    return 1.0 - busy / (end - start)
+    starts = [a for a, _ in intervals]
+    busy = 0.0
+    for s in timeline.spans:
+        i = max(bisect.bisect_right(starts, s.start) - 1, 0)  # the first interval that may overlap
+        while i < len(intervals) and intervals[i][0] < s.end:
+            a, b = intervals[i]
+            busy += max(0.0, min(s.end, b) - max(s.start, a))
+            i += 1
+    return 1.0 - busy / total
 
 
 def stage_busy_by_step(timelines: Sequence[StageTimeline], tp: int = 1) -> dict[int, float]:

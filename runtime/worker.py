@@ -136,10 +136,10 @@ class Worker:
                 self.feedback_receiver.post()  # this plan's sampled ids, from the driver
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        self.busy.end(plan.step_id)
         if not self.ctx.is_driver:
+            self.busy.end(plan.step_id)
             return None
-        return self._sample(plan, logits, time.perf_counter() - t0)
+        return self._sample(plan, logits, time.perf_counter() - t0)  # (ends the busy span)
 
     def _prepare(self, step: StepInputs) -> GraphStep | ModelInputs:
         """Host-side inputs: a padded graph step for a decode-only batch that fits a captured
@@ -181,12 +181,18 @@ class Worker:
         params = [self._params_of(s) for s in seqs]
         gens = [self._generator_of(s, p) for s, p in zip(seqs, params)]
         sender = self.feedback_sender
+
+        def on_sampled(token_ids: torch.Tensor) -> None:
+            # Sampling is this stage's work too: the span ends once the ids exist on the device.
+            self.busy.end(plan.step_id)
+            if sender is not None:
+                sender.send(token_ids)
+
         # With token feedback nothing waits for this result on the critical path: leave the ids
         # on the device and go on to the next plan; serve() sends the result once they are here.
         defer = sender is not None and self.device.type == "cuda"
         out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
-                           eos_token_ids=self.eos_token_ids, on_sampled=None if sender is None else sender.send,
-                           to_host=not defer)
+                           eos_token_ids=self.eos_token_ids, on_sampled=on_sampled, to_host=not defer)
         if out.token_ids.device.type != "cpu":
             return _PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds)
         logprobs = None
@@ -278,7 +284,8 @@ def _arrived(item: _PendingResult | StepResult) -> StepResult:
 
 class BusyTimer:
     """Compute time of this rank's micro-batches (after the input arrived, until the output is
-    ready), with no synchronize on the hot path.
+    ready: the hidden states, or on the last stage's driver the sampled ids), with no
+    synchronize on the hot path.
 
     ``busy_s`` (always kept) is the running total, which the heartbeat thread reports for
     /metrics: on CPU the host time of each step; on CUDA a pair of events per step, added once

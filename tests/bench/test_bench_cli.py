@@ -66,6 +66,8 @@ def test_pp2_result_json_is_sane(pp2_run):
         assert s["busy_s"] > 0 and 0 < s["bubble_fraction"] < 1
         assert s["busy_s"] + s["recv_wait_s"] + s["idle_s"] == pytest.approx(s["wall_s"], rel=1e-6)
         assert s["bubble_fraction"] == pytest.approx(1 - s["busy_s"] / s["wall_s"])
+        assert 0 <= s["bubble_fraction_saturated"] < 1
+    assert 0 < r["saturated_s"] <= thr["wall_s"]
     assert stages[1]["recv_wait_s"] > 0 and stages[0]["recv_wait_s"] == 0  # stage 1 waits for stage 0
     assert r["efficiency"]["prefill_tflops"] > 0 and r["efficiency"]["prefill_mfu"] is None  # no CPU peak
     assert r["num_decode_stalls"] == 0
@@ -93,6 +95,26 @@ def test_pp2_trace_has_an_engine_lane_and_one_lane_per_stage(pp2_run):
     s1 = [e for e in compute if lanes[e["tid"]] == "stage 1"]
     # Stage 1 starts a micro-batch only after stage 0 finished it (one host clock for all).
     assert all(e["ts"] >= s0[e["args"]["step"]]["ts"] + s0[e["args"]["step"]]["dur"] - 1e3 for e in s1)
+
+
+def test_pipeline_gaps_account_for_every_stage_second(pp2_run):
+    out, _, r = pp2_run
+    proc = subprocess.run([sys.executable, "-m", "pipeserve.launch.pipeline_gaps", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "| stage 0 |" in proc.stdout and "| stage 1 |" in proc.stdout
+    from pipeserve.launch import pipeline_gaps
+
+    rows = pipeline_gaps.analyze(json.loads((out / "trace.json").read_text()), pp=2, feedback=True)
+    by_stage = {s["stage"]: s for s in r["stages"]}
+    for i, row in enumerate(rows):
+        assert row["num_steps"] == r["steps"]["num_steps"]
+        assert row["busy_s"] == pytest.approx(by_stage[i]["busy_s"], rel=1e-3)
+        causes = sum(row[f"idle_{k}_s"] for k in ("previous_stage", "fed_tokens", "plan", "host"))
+        assert causes == pytest.approx(row["idle_s"], abs=1e-5) and row["idle_s"] > 0
+        assert 0 <= row["imbalance"] < 1
+    assert rows[1]["idle_previous_stage_s"] > 0 and rows[0]["idle_previous_stage_s"] == 0
+    assert rows[0]["idle_fed_tokens_s"] > 0  # stage 0 waited for sampled ids at some point
 
 
 def test_pp2_plots_are_real_pngs(pp2_run):

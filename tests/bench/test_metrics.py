@@ -192,6 +192,26 @@ def test_loaded_window_ends_when_fewer_than_depth_requests_remain():
     assert M.loaded_window(reqs, 5) is None
 
 
+def test_prompt_pending_intervals_merge_every_arrival_to_first_token():
+    # (arrival, first token): 0-2 and 1-3 overlap, 5-6 alone, 7-7 never waited
+    times = [(0.0, 2.0), (5.0, 6.0), (1.0, 3.0), (7.0, 7.0)]
+    reqs = [M.RequestTimes(str(i), a, a, f, [], 9.0, 1, 1) for i, (a, f) in enumerate(times)]
+    assert M.prompt_pending_intervals(reqs) == [(0.0, 3.0), (5.0, 6.0)]
+    assert M.prompt_pending_intervals([]) == []
+
+
+def test_bubble_in_intervals_counts_compute_inside_each():
+    spans = [M.StageSpan(0, 0.0, 0.0, 2.0), M.StageSpan(1, 2.0, 2.5, 5.5), M.StageSpan(2, 6.0, 6.0, 7.0)]
+    tl = M.StageTimeline(stage=0, rank=0, spans=spans)
+    # [1, 3] holds 1 (1..2) + 0.5 (2.5..3); [5, 8] holds 0.5 (5..5.5) + 1 (6..7): 3 of 5 seconds
+    assert M.bubble_in_intervals(tl, [(1.0, 3.0), (5.0, 8.0)]) == pytest.approx(1 - 3 / 5)
+    # a span covering several intervals counts in each
+    long = M.StageTimeline(stage=0, rank=0, spans=[M.StageSpan(0, 0.0, 0.0, 10.0)])
+    assert M.bubble_in_intervals(long, [(1.0, 2.0), (4.0, 6.0)]) == pytest.approx(0.0)
+    assert M.bubble_in_intervals(tl, []) is None
+    assert M.bubble_in_intervals(tl, [(4.0, 4.0)]) is None
+
+
 def test_bubble_in_window_counts_only_compute_inside_it():
     spans = [M.StageSpan(0, 0.0, 0.0, 2.0), M.StageSpan(1, 2.0, 3.0, 4.0), M.StageSpan(2, 4.0, 9.0, 12.0)]
     tl = M.StageTimeline(stage=0, rank=0, spans=spans)

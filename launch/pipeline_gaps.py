@@ -1,0 +1,142 @@
+"""Where a pipeline's idle time goes, from a bench run's Chrome trace.
+
+    python -m pipeserve.launch.pipeline_gaps RUN_DIR            # RUN_DIR/trace.json + result.json
+    python -m pipeserve.launch.pipeline_gaps trace.json --pp 2 --feedback
+
+For every stage lane (TP rank 0 of each stage) it splits the wall time from the first
+micro-batch's start to the last one's end into compute and the gaps before each micro-batch,
+and gives each gap the cause that ended it, judged from the engine's submit instants and the
+other stages' spans:
+
+- ``previous stage``: a later stage waiting for its input hidden states (its recv wait);
+- ``fed tokens``: stage 0 with token feedback, when the last stage ended micro-batch j − pp
+  (whose sampled ids a decode of j takes) inside the gap: the sampling and the ids' trip;
+- ``plan``: the engine submitted micro-batch j inside the gap (nothing to run yet);
+- ``host``: none of these: the rank's own host work between micro-batches (plan decoding,
+  input preparation, launches).
+
+Compute is shown per kind of micro-batch (carrying prompt tokens, or decodes only) and the
+``imbalance`` column is the mean over micro-batches of 1 - (this stage's compute / the
+slowest stage's compute of that micro-batch): what an even split of the layers would save.
+The attribution is a reading of host-clock instants, good to tens of microseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections.abc import Sequence
+
+_EPS_S = 20e-6  # instants closer than this count as the same moment
+
+
+def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
+    """One row per stage lane: wall, compute, idle by cause (seconds) and compute shapes."""
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    lanes = sorted(tid for tid, name in names.items() if name.startswith("stage ") and " tp" not in name)
+    compute: dict[int, dict[int, tuple[float, float]]] = {tid: {} for tid in lanes}
+    recv: dict[int, dict[int, float]] = {tid: {} for tid in lanes}
+    submit: dict[int, tuple[float, int, int]] = {}  # step -> (ts s, tokens, prefill tokens)
+    for e in events:
+        if e.get("ph") == "X" and e.get("tid") in compute:
+            step = e["args"]["step"]
+            if e.get("cat") == "compute":
+                compute[e["tid"]][step] = (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+            elif e.get("cat") == "wait":
+                recv[e["tid"]][step] = e["dur"] / 1e6
+        elif e.get("ph") == "i" and e.get("name", "").startswith("submit "):
+            a = e["args"]
+            submit[int(e["name"].split()[1])] = (e["ts"] / 1e6, a["tokens"], a["prefill_tokens"])
+    if not lanes or not any(compute.values()):
+        raise ValueError("the trace has no stage lanes with compute spans (a bench run's trace.json?)")
+    last = compute[lanes[-1]]
+    slowest = {}
+    for spans in compute.values():
+        for step, (a, b) in spans.items():
+            slowest[step] = max(slowest.get(step, 0.0), b - a)
+    rows = []
+    for index, tid in enumerate(lanes):
+        spans = compute[tid]
+        steps = sorted(spans)
+        idle = {"previous stage": 0.0, "fed tokens": 0.0, "plan": 0.0, "host": 0.0}
+        for prev, step in zip(steps, steps[1:]):
+            gap_start, start = spans[prev][1], spans[step][0]
+            gap = start - gap_start
+            if gap <= 0:
+                continue
+            wait = min(recv[tid].get(step, 0.0), gap)
+            idle["previous stage"] += wait
+            rest = gap - wait
+            if rest <= 0:
+                continue
+            sub, tokens, prefill = submit.get(step, (None, 0, 0))
+            fed_end = last.get(step - pp, (0.0, None))[1] if (index == 0 and feedback and tokens > prefill) else None
+            if fed_end is not None and gap_start - _EPS_S <= fed_end <= start + _EPS_S:
+                idle["fed tokens"] += rest
+            elif sub is not None and sub > gap_start + _EPS_S:
+                idle["plan"] += rest
+            else:
+                idle["host"] += rest
+        mixed = [spans[s][1] - spans[s][0] for s in steps if submit.get(s, (0, 0, 0))[2] > 0]
+        decode = [spans[s][1] - spans[s][0] for s in steps if s in submit and submit[s][2] == 0]
+        busy = sum(b - a for a, b in spans.values())
+        wall = spans[steps[-1]][1] - spans[steps[0]][0]
+        rows.append({
+            "lane": names[tid], "num_steps": len(steps), "wall_s": wall, "busy_s": busy,
+            "idle_s": wall - busy, **{f"idle_{k.replace(' ', '_')}_s": v for k, v in idle.items()},
+            "num_with_prompt": len(mixed), "num_decode_only": len(decode),
+            "median_with_prompt_ms": statistics.median(mixed) * 1e3 if mixed else None,
+            "median_decode_only_ms": statistics.median(decode) * 1e3 if decode else None,
+            "imbalance": statistics.fmean(1 - (spans[s][1] - spans[s][0]) / slowest[s] for s in steps
+                                          if slowest[s] > 0) if steps else None,
+        })
+    return rows
+
+
+def format_rows(rows: Sequence[dict]) -> str:
+    pct = lambda x, w: f"{x / w:.1%}" if w > 0 else "-"  # noqa: E731
+    ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    lines = ["| lane | steps | busy | idle: previous stage | fed tokens | plan | host | imbalance"
+             " | with prompt: n, median ms | decode only: n, median ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        w = r["wall_s"]
+        lines.append(
+            f"| {r['lane']} | {r['num_steps']} | {pct(r['busy_s'], w)} | {pct(r['idle_previous_stage_s'], w)}"
+            f" | {pct(r['idle_fed_tokens_s'], w)} | {pct(r['idle_plan_s'], w)} | {pct(r['idle_host_s'], w)}"
+            f" | {r['imbalance']:.1%} | {r['num_with_prompt']}, {ms(r['median_with_prompt_ms'])}"
+            f" | {r['num_decode_only']}, {ms(r['median_decode_only_ms'])} |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("path", help="a bench run's directory, or its trace.json")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: result.json's)")
+    p.add_argument("--feedback", action=argparse.BooleanOptionalAction, default=None,
+                   help="token feedback was on (default: result.json's)")
+    args = p.parse_args(argv)
+    trace_path = os.path.join(args.path, "trace.json") if os.path.isdir(args.path) else args.path
+    pp, feedback = args.pp, args.feedback
+    result_path = os.path.join(os.path.dirname(trace_path), "result.json")
+    if (pp is None or feedback is None) and os.path.exists(result_path):
+        with open(result_path) as f:
+            parallel = json.load(f)["config"]["parallel"]
+        pp = parallel["pp"] if pp is None else pp
+        feedback = bool(parallel.get("token_feedback")) and pp > 1 if feedback is None else feedback
+    if pp is None:
+        p.error("--pp is needed without a result.json beside the trace")
+    with open(trace_path) as f:
+        trace = json.load(f)
+    try:
+        rows = analyze(trace, pp=pp, feedback=bool(feedback))
+    except ValueError as e:
+        p.error(str(e))
+    print(format_rows(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""launch/pipeline_gaps: each idle gap of a pipeline's stages gets the cause that ended it."""
+
+import json
+
+import pytest
+
+from pipeserve.launch import pipeline_gaps
+
+
+def _trace(stage_spans, submits, recv_waits=()):
+    """stage_spans: {stage: [(step, start ms, end ms)]}; submits: {step: (ts ms, tokens, prefill)};
+    recv_waits: [(stage, step, ms)]."""
+    ev = [{"ph": "M", "pid": 1, "tid": 0, "name": "thread_name", "args": {"name": "engine"}}]
+    for stage, spans in stage_spans.items():
+        ev.append({"ph": "M", "pid": 1, "tid": 1 + stage, "name": "thread_name", "args": {"name": f"stage {stage}"}})
+        for step, a, b in spans:
+            ev.append({"ph": "X", "pid": 1, "tid": 1 + stage, "cat": "compute", "name": f"mb {step}",
+                       "ts": a * 1e3, "dur": (b - a) * 1e3, "args": {"step": step, "tokens": submits[step][1]}})
+    for stage, step, ms in recv_waits:
+        ev.append({"ph": "X", "pid": 1, "tid": 1 + stage, "cat": "wait", "name": "recv wait",
+                   "ts": 0.0, "dur": ms * 1e3, "args": {"step": step}})
+    for step, (ts, tokens, prefill) in submits.items():
+        ev.append({"ph": "i", "s": "t", "pid": 1, "tid": 0, "name": f"submit {step}", "ts": ts * 1e3,
+                   "args": {"tokens": tokens, "seqs": 1, "prefill_tokens": prefill, "predicted_ms": 0}})
+    return {"traceEvents": ev}
+
+
+def test_gaps_are_attributed_to_what_ended_them():
+    # pp=2, feedback. Stage 0: mb 0 [0,10], mb 1 [10,20], mb 2 [21,30] (waits 1 ms for mb 0's ids,
+    # which stage 1 finished at 21), mb 3 [32,40] (its plan came at 31.5: 1.5 ms plan + 0.5 host).
+    # Stage 1: mb 0 [11,21], mb 1 [21,29], mb 2 [31,40] (1 ms recv wait, 1 ms host), mb 3 [40,48].
+    submits = {0: (0, 512, 500), 1: (0, 512, 500), 2: (0, 40, 0), 3: (31.5, 512, 480)}
+    trace = _trace({0: [(0, 0, 10), (1, 10, 20), (2, 21, 30), (3, 32, 40)],
+                    1: [(0, 11, 21), (1, 21, 29), (2, 31, 40), (3, 40, 48)]},
+                   submits, recv_waits=[(1, 2, 1.0)])
+    s0, s1 = pipeline_gaps.analyze(trace, pp=2, feedback=True)
+    ms = lambda x: pytest.approx(x / 1e3, abs=1e-9)  # noqa: E731
+    assert s0["lane"] == "stage 0" and s0["num_steps"] == 4
+    assert s0["wall_s"] == ms(40) and s0["busy_s"] == ms(37) and s0["idle_s"] == ms(3)
+    assert s0["idle_fed_tokens_s"] == ms(1) and s0["idle_plan_s"] == ms(2) and s0["idle_host_s"] == ms(0)
+    assert s1["idle_previous_stage_s"] == ms(1) and s1["idle_host_s"] == ms(1) and s1["idle_plan_s"] == ms(0)
+    assert s0["num_with_prompt"] == 3 and s0["num_decode_only"] == 1
+    assert s0["median_decode_only_ms"] == pytest.approx(9.0)
+    # mb 1: stage 0 took 10 ms, stage 1 8 ms: stage 1 was 20% short of the slowest
+    assert s1["imbalance"] == pytest.approx((0 + 0.2 + 0 + 0) / 4)
+    # without feedback the same gap is host time (nothing was fed)
+    s0_nofb, _ = pipeline_gaps.analyze(trace, pp=2, feedback=False)
+    assert s0_nofb["idle_fed_tokens_s"] == 0 and s0_nofb["idle_host_s"] == ms(1)
+    assert "| stage 0 | 4 | 92.5% |" in pipeline_gaps.format_rows([s0, s1])
+
+
+def test_a_trace_without_stage_lanes_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": []}))
+    with pytest.raises(SystemExit):
+        pipeline_gaps.main([str(path), "--pp", "2"])
+    assert "no stage lanes" in capsys.readouterr().err
