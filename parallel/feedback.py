@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipeserve.parallel.wire import StepPlan
+from pipeserve.runtime.batch import host_to_device
 
 
 def warm_up(group: dist.ProcessGroup, *, src: int, dsts: list[int], rank: int, device: torch.device) -> None:
@@ -157,7 +158,7 @@ class FeedbackReceiver:
             if step not in self._waited:  # CUDA: the stream waits; gloo: the host
                 work.wait()
                 self._waited.add(step)
-            index = torch.from_numpy(np.array(index, dtype=np.int64)).to(self.device, non_blocking=True)
+            index = host_to_device(np.array(index, dtype=np.int64), torch.int64, self.device)
             parts.append((tokens, index))
         return FeedPatch(parts)
 

@@ -85,7 +85,7 @@ def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> Mo
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        return torch.from_numpy(a).to(device=device, dtype=dtype, non_blocking=True)
+        return host_to_device(a, dtype, device)
 
     meta = AttentionMetadata(
         slot_mapping=dev(slots, torch.int64),
@@ -103,6 +103,25 @@ def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> Mo
         # step.sample_indices, from the offsets computed above: the last row of each sampled seq
         sample_indices=dev(query_start[1:][np.asarray(step.needs_sample, dtype=bool)] - 1, torch.int64),
     )
+
+
+def host_to_device(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array as a ``dtype`` tensor on ``device``, without blocking the host (see
+    ``host_staging``)."""
+    return host_staging(a, device, dtype).to(device, non_blocking=True)
+
+
+def host_staging(a: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``a`` as the host tensor of a ``non_blocking`` copy to ``device``: on CUDA in pinned
+    memory. A copy from pageable memory may first wait for the stream's earlier work (CUDA's
+    API synchronization rules), which would keep a worker's host from preparing micro-batch
+    j + 1 while the device runs j; the device would then idle while the host launches j + 1's
+    kernels one by one. The pinned block returns to PyTorch's caching host allocator once the
+    copy has run."""
+    t = torch.from_numpy(np.ascontiguousarray(a))
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.pin_memory() if device.type == "cuda" else t
 
 
 def _pad_block_tables(block_tables: list[list[int]]) -> np.ndarray:

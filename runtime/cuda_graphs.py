@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from pipeserve.kernels.attention_metadata import AttentionMetadata
-from pipeserve.runtime.batch import StepInputs
+from pipeserve.runtime.batch import StepInputs, host_staging, host_to_device
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.model import LlamaForCausalLM
 
@@ -270,8 +270,7 @@ class CudaGraphRunner:
         g = plan_graph_step(step, buckets=self.buckets, block_size=self.block_size,
                             max_blocks_per_seq=self.max_blocks_per_seq)
         if g is not None and g.sample_rows is not None:
-            rows = np.asarray(g.sample_rows, dtype=np.int64)
-            g.sample_indices = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            g.sample_indices = host_to_device(np.asarray(g.sample_rows), torch.int64, self.device)
         return g
 
     @torch.inference_mode()
@@ -289,9 +288,9 @@ class CudaGraphRunner:
             (self.slot_mapping, g.slot_mapping),
             (self.seq_lens, g.seq_lens),
         ):
-            buf[:b].copy_(torch.from_numpy(host), non_blocking=True)
+            buf[:b].copy_(host_staging(host, self.device), non_blocking=True)
         width = g.block_tables.shape[1]
-        self.block_tables[:b, :width].copy_(torch.from_numpy(g.block_tables), non_blocking=True)
+        self.block_tables[:b, :width].copy_(host_staging(g.block_tables, self.device), non_blocking=True)
         if feed is not None:
             feed(self.input_ids)
         if hidden_states is not None:

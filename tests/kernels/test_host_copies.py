@@ -1,0 +1,62 @@
+"""A worker's host prepares micro-batch j + 1 while the device still runs j: the host-to-device
+copies of a step's inputs (``runtime/batch.py``: ``to_tensors``, ``host_to_device``; the CUDA
+graph runner and the token-feedback patch use the same helpers) must not wait for the stream's
+earlier work. On CUDA: with the stream busy for a long while, preparing a step returns at
+once and its tensors hold the right values; on CPU: the helper's dtypes and values."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from pipeserve.runtime.batch import StepInputs, host_to_device, to_tensors
+
+
+def _step() -> StepInputs:
+    # a 5-token chunk at position 3 (blocks 7, 2) and a decode at position 40 (blocks 1, 4, 9)
+    return StepInputs(request_ids=["a", "b"], token_ids=[11, 12, 13, 14, 15, 99], query_lens=[5, 1],
+                      start_positions=[3, 40], block_tables=[[7, 2], [1, 4, 9]], needs_sample=[True, True])
+
+
+def test_host_to_device_converts_and_copies_on_cpu():
+    a = np.arange(6, dtype=np.int64)[::2]  # not contiguous
+    t = host_to_device(a, torch.int32, torch.device("cpu"))
+    assert t.dtype == torch.int32 and t.tolist() == [0, 2, 4]
+    assert host_to_device(np.array([True, False]), torch.bool, torch.device("cpu")).tolist() == [True, False]
+
+
+def _busy_stream_seconds(cycles: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_preparing_a_step_does_not_wait_for_the_stream():
+    device = torch.device("cuda")
+    reference = to_tensors(_step(), block_size=16, device=torch.device("cpu"))
+    to_tensors(_step(), block_size=16, device=device)  # (first use: the pinned pool, the context)
+    torch.cuda.synchronize()
+    cycles = 200_000_000
+    busy = _busy_stream_seconds(cycles)
+    assert busy > 0.02, busy  # the device's sleep is long enough to tell
+    torch.cuda._sleep(cycles)  # the stream is busy for `busy` seconds
+    t0 = time.perf_counter()
+    inputs = to_tensors(_step(), block_size=16, device=device)
+    fed = host_to_device(np.array([3, 1], dtype=np.int64), torch.int64, device)
+    host = time.perf_counter() - t0
+    assert host < busy / 4, (host, busy)
+    torch.cuda.synchronize()
+    for name in ("input_ids", "positions", "sample_indices"):
+        assert torch.equal(getattr(inputs, name).cpu(), getattr(reference, name)), name
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        got, want = getattr(inputs.meta, name), getattr(reference.meta, name)
+        assert got.dtype == want.dtype and torch.equal(got.cpu(), want), name
+    assert fed.tolist() == [3, 1]
