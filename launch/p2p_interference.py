@@ -17,7 +17,9 @@ its compute stream, with
 
 and prints the median milliseconds per repetition of each and its slowdown against ``idle``.
 Timing uses events on the compute stream only: a device-wide synchronize would wait for the
-transfer that nobody has matched yet. Rank 1 matches each transfer after a CPU barrier (gloo).
+transfer that nobody has matched yet. Rank 1 matches each transfer once rank 0 says, through
+torchrun's key-value store, that its timing is done (no second process group: a gloo group's
+connections may hang on a host whose own name does not resolve to a reachable address).
 """
 
 from __future__ import annotations
@@ -84,19 +86,23 @@ def _time(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def run(args: argparse.Namespace, rank: int, device: torch.device, cpu_group) -> dict[str, list[float]] | None:
-    """Rank 0: per mode, seconds per repetition; rank 1: None."""
+def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> dict[str, list[float]] | None:
+    """Rank 0: per mode, seconds per repetition; rank 1: None. ``store``: a key-value store both
+    ranks reach (torchrun's)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     message = torch.zeros(args.tokens, args.hidden, dtype=dtype, device=device)
-    # One exchange first: NCCL sets up a pair's connection on its first transfer.
-    if rank == 0:
-        dist.send(message, dst=1)
-    else:
-        dist.recv(message, src=0)
+    # One exchange each way first: NCCL connects a direction on its first transfer, which blocks
+    # the host until the peer joins, and the peer here joins only after the timing.
+    for src in (0, 1):
+        if rank == src:
+            dist.send(message, dst=1 - src)
+        else:
+            dist.recv(message, src=src)
+    timed = (f"p2p_interference/{r}/{mode}" for r in range(args.rounds) for mode in MODES)
     if rank != 0:
         for _ in range(args.rounds):
             for mode in MODES:
-                dist.barrier(group=cpu_group)  # rank 0 has timed `mode` with its transfer pending
+                store.wait([next(timed)])  # rank 0 has timed `mode` with its transfer pending
                 if mode == "recv":
                     dist.send(message, dst=0)
                 elif mode == "send":
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, cpu_group) ->
             elif mode == "send":
                 work = dist.isend(message, dst=1)
             times[mode] += [_time(stage, device) for _ in range(args.reps)]
-            dist.barrier(group=cpu_group)
+            store.set(next(timed), "1")
             if work is not None:
                 work.wait()
     if device.type == "cuda":
@@ -153,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         if dist.get_world_size() != 2:
             raise SystemExit(f"needs exactly 2 processes, got {dist.get_world_size()}")
-        cpu_group = dist.new_group(backend="gloo")
-        times = run(args, dist.get_rank(), device, cpu_group)
+        store = dist.distributed_c10d._get_default_store()
+        times = run(args, dist.get_rank(), device, store)
         if times is not None:
             name = torch.cuda.get_device_name(device) if cuda else "cpu (gloo)"
             print(format_table(times, args, name), flush=True)
