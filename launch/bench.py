@@ -263,7 +263,7 @@ def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, opt
     window = [dataclasses.replace(tl, spans=[s for s in tl.spans if s.step_id < run.end_step]) for tl in window]
     stages = [M.stage_summary(tl, run.t0, run.t_end) for tl in sorted(window, key=lambda t: t.rank)]
     loaded = M.loaded_window(run.requests, bench.config.parallel.depth)
-    saturated = M.prompt_pending_intervals(run.requests)
+    saturated = M.prompt_pending_intervals(run.requests, records, prompt_lens)
     for st, tl in zip(stages, sorted(window, key=lambda t: t.rank)):
         st["bubble_fraction_loaded"] = M.bubble_in_window(tl, *loaded) if loaded else None
         st["bubble_fraction_saturated"] = M.bubble_in_intervals(tl, saturated)
@@ -286,7 +286,7 @@ def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, opt
     device = _device_name(bench.engine.state.device)
     peaks = M.card_peaks(device)
     shape = M.ModelShape.of(bench.engine.model_config, bench.engine.state.dtype.itemsize)
-    busy = M.stage_busy_by_step(window, tp=bench.config.parallel.tp)
+    busy = M.stage_busy_by_step(window)
     result["efficiency"] = M.efficiency(
         records, busy, shape, prompt_lens,
         peak_tflops=options.peak_tflops or peaks[0], peak_mem_bw_gbps=options.peak_mem_bw_gbps or peaks[1],

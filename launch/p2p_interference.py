@@ -1,7 +1,7 @@
 """Does a point-to-point transfer that is still waiting for its peer slow a stage's compute?
 
-    torchrun --nproc-per-node 2 -m pipeserve.launch.p2p_interference              # NCCL, 2 GPUs
-    torchrun --nproc-per-node 2 -m pipeserve.launch.p2p_interference --hidden 64   # gloo on CPU
+    torchrun --standalone --nproc-per-node 2 -m pipeserve.launch.p2p_interference              # NCCL, 2 GPUs
+    torchrun --standalone --nproc-per-node 2 -m pipeserve.launch.p2p_interference --hidden 64   # gloo on CPU
 
 In a pipeline, stage 0's send of micro-batch j's hidden states waits until stage 1 posts the
 matching receive (after it finishes j - 1), and with token feedback stage 0 posts the receive of
@@ -15,7 +15,9 @@ its compute stream, with
     recv   an irecv from rank 1 posted first, matched only after the timing;
     send   an isend of a [tokens, hidden] tensor to rank 1 posted first, matched after the timing;
 
-and prints the median milliseconds per repetition of each and its slowdown against ``idle``.
+and prints the median milliseconds per repetition of each, its slowdown against ``idle``, and
+in how many rounds the transfer was still pending when the timing ended (NCCL may complete a
+send that fits its buffers before the peer receives; then ``send`` timed nothing pending).
 Timing uses events on the compute stream only: a device-wide synchronize would wait for the
 transfer that nobody has matched yet. Rank 1 matches each transfer once rank 0 says, through
 torchrun's key-value store, that its timing is done (no second process group: a gloo group's
@@ -86,9 +88,9 @@ def _time(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> dict[str, list[float]] | None:
-    """Rank 0: per mode, seconds per repetition; rank 1: None. ``store``: a key-value store both
-    ranks reach (torchrun's)."""
+def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> tuple[dict, dict] | None:
+    """Rank 0: per mode, seconds per repetition, and the rounds its transfer was still pending
+    after the timing; rank 1: None. ``store``: a key-value store both ranks reach (torchrun's)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     message = torch.zeros(args.tokens, args.hidden, dtype=dtype, device=device)
     # One exchange each way first: NCCL connects a direction on its first transfer, which blocks
@@ -107,6 +109,8 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> dic
                     dist.send(message, dst=0)
                 elif mode == "send":
                     dist.recv(message, src=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # (every transfer is matched: nothing to wait for)
         return None
     layer = Layer(args.hidden, args.intermediate, device, dtype)
     x = torch.randn(args.tokens, args.hidden, device=device).to(dtype)
@@ -119,6 +123,7 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> dic
     for _ in range(3):  # warm-up: kernels chosen, clocks up
         _time(stage, device)
     times: dict[str, list[float]] = {m: [] for m in MODES}
+    pending = {m: 0 for m in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
             work = None
@@ -127,22 +132,26 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> dic
             elif mode == "send":
                 work = dist.isend(message, dst=1)
             times[mode] += [_time(stage, device) for _ in range(args.reps)]
+            pending[mode] += work is not None and not work.is_completed()
             store.set(next(timed), "1")
             if work is not None:
                 work.wait()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return times
+    return times, pending
 
 
-def format_table(times: dict[str, list[float]], args: argparse.Namespace, device_name: str) -> str:
+def format_table(times: dict[str, list[float]], pending: dict[str, int], args: argparse.Namespace,
+                 device_name: str) -> str:
     idle = statistics.median(times["idle"])
     lines = [f"p2p interference · {device_name} · {args.layers} layers of hidden {args.hidden},"
              f" MLP {args.intermediate}, {args.tokens} tokens · {len(times['idle'])} repetitions per mode",
-             "| pending on rank 0 | median ms per repetition | against idle |", "|---|---|---|"]
+             "| pending on rank 0 | median ms per repetition | against idle | still pending after the timing |",
+             "|---|---|---|---|"]
     for mode in MODES:
         m = statistics.median(times[mode])
-        lines.append(f"| {mode} | {m * 1e3:.3f} | {m / idle - 1:+.1%} |")
+        still = "-" if mode == "idle" else f"{pending[mode]} of {args.rounds} rounds"
+        lines.append(f"| {mode} | {m * 1e3:.3f} | {m / idle - 1:+.1%} | {still} |")
     return "\n".join(lines)
 
 
@@ -160,10 +169,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if dist.get_world_size() != 2:
             raise SystemExit(f"needs exactly 2 processes, got {dist.get_world_size()}")
         store = dist.distributed_c10d._get_default_store()
-        times = run(args, dist.get_rank(), device, store)
-        if times is not None:
+        out = run(args, dist.get_rank(), device, store)
+        if out is not None:
             name = torch.cuda.get_device_name(device) if cuda else "cpu (gloo)"
-            print(format_table(times, args, name), flush=True)
+            print(format_table(*out, args, name), flush=True)
     finally:
         dist.destroy_process_group()
 

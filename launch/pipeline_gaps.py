@@ -9,11 +9,16 @@ and gives each gap the cause that ended it, judged from the engine's submit inst
 other stages' spans:
 
 - ``previous stage``: a later stage waiting for its input hidden states (its recv wait);
-- ``fed tokens``: stage 0 with token feedback, when the last stage ended micro-batch j − pp
-  (whose sampled ids a decode of j takes) inside the gap: the sampling and the ids' trip;
+- ``fed tokens``: stage 0 with token feedback, when the last stage ended a micro-batch whose
+  sampled ids j's fed decodes take inside the gap (the ids' trip; the sampling is inside the last
+  stage's compute);
 - ``plan``: the engine submitted micro-batch j inside the gap (nothing to run yet);
 - ``host``: none of these: the rank's own host work between micro-batches (plan decoding,
   input preparation, launches).
+
+When both the fed ids and the plan came inside a gap, the later of the two ended it. The steps a
+micro-batch is fed from are in the trace's submit instants (``fed_from``); for traces written
+before they were, a decode of j counts as fed from j − pp when ``--feedback`` is on.
 
 Compute is shown per kind of micro-batch (carrying prompt tokens, or decodes only) and the
 ``imbalance`` column is the mean over micro-batches of 1 - (this stage's compute / the
@@ -39,7 +44,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
     lanes = sorted(tid for tid, name in names.items() if name.startswith("stage ") and " tp" not in name)
     compute: dict[int, dict[int, tuple[float, float]]] = {tid: {} for tid in lanes}
     recv: dict[int, dict[int, float]] = {tid: {} for tid in lanes}
-    submit: dict[int, tuple[float, int, int]] = {}  # step -> (ts s, tokens, prefill tokens)
+    submit: dict[int, tuple[float, int, int, list[int] | None]] = {}  # step -> (ts s, tokens, prefill, fed from)
     for e in events:
         if e.get("ph") == "X" and e.get("tid") in compute:
             step = e["args"]["step"]
@@ -49,7 +54,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
                 recv[e["tid"]][step] = e["dur"] / 1e6
         elif e.get("ph") == "i" and e.get("name", "").startswith("submit "):
             a = e["args"]
-            submit[int(e["name"].split()[1])] = (e["ts"] / 1e6, a["tokens"], a["prefill_tokens"])
+            submit[int(e["name"].split()[1])] = (e["ts"] / 1e6, a["tokens"], a["prefill_tokens"], a.get("fed_from"))
     if not lanes or not any(compute.values()):
         raise ValueError("the trace has no stage lanes with compute spans (a bench run's trace.json?)")
     last = compute[lanes[-1]]
@@ -57,6 +62,14 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
     for spans in compute.values():
         for step, (a, b) in spans.items():
             slowest[step] = max(slowest.get(step, 0.0), b - a)
+    def fed_end(step: int) -> float | None:
+        """When the last stage ended the newest micro-batch whose ids ``step`` is fed from."""
+        _, tokens, prefill, fed_from = submit.get(step, (None, 0, 0, None))
+        if fed_from is None:  # an older trace: a decode of j is fed from j - pp
+            fed_from = [step - pp] if feedback and tokens > prefill else []
+        ends = [last[k][1] for k in fed_from if k in last]
+        return max(ends) if ends else None
+
     rows = []
     for index, tid in enumerate(lanes):
         spans = compute[tid]
@@ -72,26 +85,25 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             rest = gap - wait
             if rest <= 0:
                 continue
-            sub, tokens, prefill = submit.get(step, (None, 0, 0))
-            fed_end = last.get(step - pp, (0.0, None))[1] if (index == 0 and feedback and tokens > prefill) else None
-            if fed_end is not None and gap_start - _EPS_S <= fed_end <= start + _EPS_S:
-                idle["fed tokens"] += rest
-            elif sub is not None and sub > gap_start + _EPS_S:
-                idle["plan"] += rest
-            else:
-                idle["host"] += rest
-        mixed = [spans[s][1] - spans[s][0] for s in steps if submit.get(s, (0, 0, 0))[2] > 0]
-        decode = [spans[s][1] - spans[s][0] for s in steps if s in submit and submit[s][2] == 0]
-        busy = sum(b - a for a, b in spans.values())
-        wall = spans[steps[-1]][1] - spans[steps[0]][0]
+            # what arrived inside the gap; the later one ended it
+            inside = lambda t: t is not None and gap_start + _EPS_S < t <= start + _EPS_S  # noqa: E731
+            fed = fed_end(step) if index == 0 else None
+            plan = submit[step][0] if step in submit else None
+            causes = [(t, name) for t, name in ((fed, "fed tokens"), (plan, "plan")) if inside(t)]
+            idle[max(causes)[1] if causes else "host"] += rest
+        durations = {s: spans[s][1] - spans[s][0] for s in steps}
+        mixed = [durations[s] for s in steps if s in submit and submit[s][2] > 0]
+        decode = [durations[s] for s in steps if s in submit and submit[s][2] == 0]
+        shares = [1 - durations[s] / slowest[s] for s in steps if slowest[s] > 0]
+        wall = spans[steps[-1]][1] - spans[steps[0]][0] if steps else 0.0
+        busy = sum(durations.values())
         rows.append({
             "lane": names[tid], "num_steps": len(steps), "wall_s": wall, "busy_s": busy,
             "idle_s": wall - busy, **{f"idle_{k.replace(' ', '_')}_s": v for k, v in idle.items()},
             "num_with_prompt": len(mixed), "num_decode_only": len(decode),
             "median_with_prompt_ms": statistics.median(mixed) * 1e3 if mixed else None,
             "median_decode_only_ms": statistics.median(decode) * 1e3 if decode else None,
-            "imbalance": statistics.fmean(1 - (spans[s][1] - spans[s][0]) / slowest[s] for s in steps
-                                          if slowest[s] > 0) if steps else None,
+            "imbalance": statistics.fmean(shares) if shares else None,
         })
     return rows
 
@@ -99,6 +111,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
 def format_rows(rows: Sequence[dict]) -> str:
     pct = lambda x, w: f"{x / w:.1%}" if w > 0 else "-"  # noqa: E731
     ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    share = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     lines = ["| lane | steps | busy | idle: previous stage | fed tokens | plan | host | imbalance"
              " | with prompt: n, median ms | decode only: n, median ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -107,7 +120,7 @@ def format_rows(rows: Sequence[dict]) -> str:
         lines.append(
             f"| {r['lane']} | {r['num_steps']} | {pct(r['busy_s'], w)} | {pct(r['idle_previous_stage_s'], w)}"
             f" | {pct(r['idle_fed_tokens_s'], w)} | {pct(r['idle_plan_s'], w)} | {pct(r['idle_host_s'], w)}"
-            f" | {r['imbalance']:.1%} | {r['num_with_prompt']}, {ms(r['median_with_prompt_ms'])}"
+            f" | {share(r['imbalance'])} | {r['num_with_prompt']}, {ms(r['median_with_prompt_ms'])}"
             f" | {r['num_decode_only']}, {ms(r['median_decode_only_ms'])} |")
     return "\n".join(lines)
 
@@ -115,9 +128,10 @@ def format_rows(rows: Sequence[dict]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("path", help="a bench run's directory, or its trace.json")
-    p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: result.json's)")
+    p.add_argument("--pp", type=int, default=None,
+                   help="pipeline stages (default: result.json's, else the trace's stage lanes)")
     p.add_argument("--feedback", action=argparse.BooleanOptionalAction, default=None,
-                   help="token feedback was on (default: result.json's)")
+                   help="token feedback was on (default: result.json's; only for traces without fed_from)")
     args = p.parse_args(argv)
     trace_path = os.path.join(args.path, "trace.json") if os.path.isdir(args.path) else args.path
     pp, feedback = args.pp, args.feedback
@@ -127,10 +141,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             parallel = json.load(f)["config"]["parallel"]
         pp = parallel["pp"] if pp is None else pp
         feedback = bool(parallel.get("token_feedback")) and pp > 1 if feedback is None else feedback
-    if pp is None:
-        p.error("--pp is needed without a result.json beside the trace")
     with open(trace_path) as f:
         trace = json.load(f)
+    if pp is None:
+        pp = sum(1 for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "thread_name"
+                 and e["args"]["name"].startswith("stage ") and " tp" not in e["args"]["name"])
     try:
         rows = analyze(trace, pp=pp, feedback=bool(feedback))
     except ValueError as e:

@@ -270,7 +270,7 @@ class CudaGraphRunner:
         g = plan_graph_step(step, buckets=self.buckets, block_size=self.block_size,
                             max_blocks_per_seq=self.max_blocks_per_seq)
         if g is not None and g.sample_rows is not None:
-            g.sample_indices = host_to_device(np.asarray(g.sample_rows), torch.int64, self.device)
+            g.sample_indices = host_to_device(np.asarray(g.sample_rows, dtype=np.int64), torch.int64, self.device)
         return g
 
     @torch.inference_mode()

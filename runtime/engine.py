@@ -67,21 +67,25 @@ class _RequestState:
 @dataclass(frozen=True, slots=True)
 class StepRecord:
     """One submitted micro-batch: (request id, first position, tokens, samples?) per sequence,
-    the step ids in flight at submission (this one included), and the cost model's predicted
-    seconds (0.0 without a cost model)."""
+    the step ids in flight at submission (this one included), the cost model's predicted
+    seconds (0.0 without a cost model), and the steps whose sampled ids its fed decodes take
+    (token feedback; empty without)."""
 
     step_id: int
     submitted_at: float
     seqs: tuple[tuple[str, int, int, bool], ...]
     in_flight: tuple[int, ...]
     predicted_time: float = 0.0
+    fed_from: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, plan: SchedulerOutput, in_flight) -> StepRecord:
         seqs = tuple(
             (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.needs_sample) for s in plan.scheduled
         )
-        return cls(plan.step_id, time.monotonic(), seqs, tuple(p.step_id for p in in_flight), plan.predicted_time)
+        fed_from = tuple(sorted({s.feed_step for s in plan.scheduled if s.feed_step >= 0}))
+        return cls(plan.step_id, time.monotonic(), seqs, tuple(p.step_id for p in in_flight), plan.predicted_time,
+                   fed_from)
 
 
 @dataclass(frozen=True, slots=True)

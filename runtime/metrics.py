@@ -226,14 +226,23 @@ def bubble_in_window(timeline: StageTimeline, start: float, end: float) -> float
     return bubble_in_intervals(timeline, [(start, end)])
 
 
-def prompt_pending_intervals(requests: Sequence[RequestTimes]) -> list[tuple[float, float]]:
-    """The union of every request's [arrival, first token): the times some prompt was waiting
-    or being prefilled, so a scheduler had prompt tokens to fill micro-batches with (the
-    pipeline is saturated). Sorted, disjoint. Outside them only decodes were left, whose
-    micro-batches shrink with the requests still running (a light load, or the drain)."""
-    spans = sorted((r.arrival, r.first_token) for r in requests if r.first_token > r.arrival)
+def prompt_pending_intervals(requests: Sequence[RequestTimes], records: Sequence,
+                             prompt_lens: Mapping[str, int]) -> list[tuple[float, float]]:
+    """The union of every request's [arrival, submission of the last micro-batch carrying its
+    prompt tokens) (StepRecords): the times some prompt had tokens waiting to be scheduled, so a
+    scheduler could fill micro-batches with them (the pipeline could be saturated). Sorted,
+    disjoint. Outside them only decodes were left, whose micro-batches shrink with the requests
+    still running (a light load, or the drain)."""
+    last: dict[str, float] = {}
+    for r in records:
+        for rid, start, _, _ in r.seqs:
+            if start < prompt_lens.get(rid, 0):
+                last[rid] = max(last.get(rid, r.submitted_at), r.submitted_at)
+    spans = sorted((r.arrival, last.get(r.request_id, r.first_scheduled)) for r in requests)
     merged: list[tuple[float, float]] = []
     for start, end in spans:
+        if end <= start:
+            continue
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:
@@ -242,7 +251,10 @@ def prompt_pending_intervals(requests: Sequence[RequestTimes]) -> list[tuple[flo
 
 
 def bubble_in_intervals(timeline: StageTimeline, intervals: Sequence[tuple[float, float]]) -> float | None:
-    """1 - busy / (their total length), counting only the compute inside disjoint intervals."""
+    """1 - busy / (their total length), counting only the compute inside sorted, disjoint
+    intervals."""
+    if any(b0 > a1 for (_, b0), (a1, _) in zip(intervals, intervals[1:])):
+        raise ValueError("intervals must be sorted and disjoint")
     total = sum(max(0.0, b - a) for a, b in intervals)
     if total <= 0:
         return None
@@ -257,14 +269,13 @@ def bubble_in_intervals(timeline: StageTimeline, intervals: Sequence[tuple[float
     return 1.0 - busy / total
 
 
-def stage_busy_by_step(timelines: Sequence[StageTimeline], tp: int = 1) -> dict[int, float]:
-    """Device-seconds each micro-batch took, summed over stages (x tp ranks per stage)."""
+def stage_busy_by_step(timelines: Sequence[StageTimeline]) -> dict[int, float]:
+    """Device-seconds each micro-batch took, summed over every rank (every TP rank of every
+    stage: a stage's ranks need not be equally busy, e.g. only the driver samples)."""
     out: dict[int, float] = {}
     for tl in timelines:
-        if tl.tp_rank != 0:
-            continue
         for s in tl.spans:
-            out[s.step_id] = out.get(s.step_id, 0.0) + s.busy * tp
+            out[s.step_id] = out.get(s.step_id, 0.0) + s.busy
     return out
 
 
@@ -548,7 +559,7 @@ def chrome_trace(*, records: Sequence, done_times: Mapping[int, float], timeline
         done = done_times.get(r.step_id)
         args = {"tokens": sum(n for _, _, n, _ in r.seqs), "seqs": len(r.seqs),
                 "prefill_tokens": _prefill_tokens(r, prompt_lens),
-                "predicted_ms": round(r.predicted_time * 1e3, 3)}
+                "predicted_ms": round(r.predicted_time * 1e3, 3), "fed_from": list(r.fed_from)}
         events.append({"ph": "i", "s": "t", "pid": pid, "tid": 0, "name": f"submit {r.step_id}",
                        "ts": us(r.submitted_at), "args": args})
         if done is not None:  # micro-batches overlap under pp: async slices get their own rows

@@ -192,12 +192,18 @@ def test_loaded_window_ends_when_fewer_than_depth_requests_remain():
     assert M.loaded_window(reqs, 5) is None
 
 
-def test_prompt_pending_intervals_merge_every_arrival_to_first_token():
-    # (arrival, first token): 0-2 and 1-3 overlap, 5-6 alone, 7-7 never waited
-    times = [(0.0, 2.0), (5.0, 6.0), (1.0, 3.0), (7.0, 7.0)]
-    reqs = [M.RequestTimes(str(i), a, a, f, [], 9.0, 1, 1) for i, (a, f) in enumerate(times)]
-    assert M.prompt_pending_intervals(reqs) == [(0.0, 3.0), (5.0, 6.0)]
-    assert M.prompt_pending_intervals([]) == []
+def test_prompt_pending_intervals_end_when_the_last_prompt_chunk_is_submitted():
+    # a: arrives 0, chunks submitted at 1 and 2 (prompt 8 = 4 + 4), then decodes at 3 and 4;
+    # b: arrives 1.5, one chunk at 3; c: arrives 5, chunk at 6; d: arrives 7, never scheduled in
+    # these records (ends at its first scheduling, 7: no wait).
+    prompt_lens = {"a": 8, "b": 4, "c": 4, "d": 4}
+    steps = [(1.0, [("a", 0, 4, False)]), (2.0, [("a", 4, 4, True)]), (3.0, [("a", 8, 1, True), ("b", 0, 4, True)]),
+             (4.0, [("a", 9, 1, True)]), (6.0, [("c", 0, 4, True)])]
+    records = [StepRecord(i, t, tuple(seqs), (i,)) for i, (t, seqs) in enumerate(steps)]
+    arrivals = {"a": 0.0, "b": 1.5, "c": 5.0, "d": 7.0}
+    reqs = [M.RequestTimes(rid, a, a, a + 9, [], 20.0, prompt_lens[rid], 1) for rid, a in arrivals.items()]
+    assert M.prompt_pending_intervals(reqs, records, prompt_lens) == [(0.0, 3.0), (5.0, 6.0)]
+    assert M.prompt_pending_intervals([], records, prompt_lens) == []
 
 
 def test_bubble_in_intervals_counts_compute_inside_each():
@@ -210,6 +216,8 @@ def test_bubble_in_intervals_counts_compute_inside_each():
     assert M.bubble_in_intervals(long, [(1.0, 2.0), (4.0, 6.0)]) == pytest.approx(0.0)
     assert M.bubble_in_intervals(tl, []) is None
     assert M.bubble_in_intervals(tl, [(4.0, 4.0)]) is None
+    with pytest.raises(ValueError, match="sorted and disjoint"):
+        M.bubble_in_intervals(tl, [(5.0, 8.0), (1.0, 3.0)])
 
 
 def test_bubble_in_window_counts_only_compute_inside_it():

@@ -7,21 +7,23 @@ import pytest
 from pipeserve.launch import pipeline_gaps
 
 
-def _trace(stage_spans, submits, recv_waits=()):
+def _trace(stage_spans, submits, recv_waits=(), fed_from=None):
     """stage_spans: {stage: [(step, start ms, end ms)]}; submits: {step: (ts ms, tokens, prefill)};
-    recv_waits: [(stage, step, ms)]."""
+    recv_waits: [(stage, step, ms)]; fed_from: {step: [steps]} (written by newer engines)."""
     ev = [{"ph": "M", "pid": 1, "tid": 0, "name": "thread_name", "args": {"name": "engine"}}]
     for stage, spans in stage_spans.items():
         ev.append({"ph": "M", "pid": 1, "tid": 1 + stage, "name": "thread_name", "args": {"name": f"stage {stage}"}})
         for step, a, b in spans:
             ev.append({"ph": "X", "pid": 1, "tid": 1 + stage, "cat": "compute", "name": f"mb {step}",
-                       "ts": a * 1e3, "dur": (b - a) * 1e3, "args": {"step": step, "tokens": submits[step][1]}})
+                       "ts": a * 1e3, "dur": (b - a) * 1e3, "args": {"step": step, "tokens": submits.get(step, (0, 0))[1]}})
     for stage, step, ms in recv_waits:
         ev.append({"ph": "X", "pid": 1, "tid": 1 + stage, "cat": "wait", "name": "recv wait",
                    "ts": 0.0, "dur": ms * 1e3, "args": {"step": step}})
     for step, (ts, tokens, prefill) in submits.items():
-        ev.append({"ph": "i", "s": "t", "pid": 1, "tid": 0, "name": f"submit {step}", "ts": ts * 1e3,
-                   "args": {"tokens": tokens, "seqs": 1, "prefill_tokens": prefill, "predicted_ms": 0}})
+        args = {"tokens": tokens, "seqs": 1, "prefill_tokens": prefill, "predicted_ms": 0}
+        if fed_from is not None:
+            args["fed_from"] = fed_from.get(step, [])
+        ev.append({"ph": "i", "s": "t", "pid": 1, "tid": 0, "name": f"submit {step}", "ts": ts * 1e3, "args": args})
     return {"traceEvents": ev}
 
 
@@ -47,6 +49,31 @@ def test_gaps_are_attributed_to_what_ended_them():
     s0_nofb, _ = pipeline_gaps.analyze(trace, pp=2, feedback=False)
     assert s0_nofb["idle_fed_tokens_s"] == 0 and s0_nofb["idle_host_s"] == ms(1)
     assert "| stage 0 | 4 | 92.5% |" in pipeline_gaps.format_rows([s0, s1])
+
+
+def test_fed_from_in_the_trace_and_the_later_arrival_ends_a_gap():
+    # Stage 0 idles 10-14 before mb 2. mb 2 is fed from mb 0 (stage 1 ended it at 12) and its plan
+    # came at 13: the plan ended the gap. mb 3 (gap 20-23) is fed from mb 1 (ended at 22.5), its
+    # plan at 5: the fed ids ended it. mb 4 (gap 30-31) carries decodes but is fed from nothing
+    # (prefill chunks took the decodes' turn): host time, though stage 1 ended mb 2 at 30.5.
+    submits = {0: (0, 512, 500), 1: (0, 512, 500), 2: (13, 40, 0), 3: (5, 40, 0), 4: (5, 512, 490)}
+    spans = {0: [(0, 0, 5), (1, 5, 10), (2, 14, 20), (3, 23, 30), (4, 31, 40)],
+             1: [(0, 6, 12), (1, 12, 22.5), (2, 22.5, 30.5), (3, 30.5, 38), (4, 40, 49)]}
+    s0, _ = pipeline_gaps.analyze(_trace(spans, submits, fed_from={2: [0], 3: [1], 4: []}), pp=2, feedback=True)
+    ms = lambda x: pytest.approx(x / 1e3, abs=1e-9)  # noqa: E731
+    assert s0["idle_plan_s"] == ms(4) and s0["idle_fed_tokens_s"] == ms(3) and s0["idle_host_s"] == ms(1)
+
+
+def test_edge_cases_give_rows_not_crashes():
+    # a stage lane with no compute spans, zero-length spans, a submit missing
+    submits = {0: (0, 8, 8), 1: (0, 8, 8)}
+    trace = _trace({0: [(0, 0, 0), (1, 0, 0), (2, 1, 1)], 1: []}, submits)
+    rows = pipeline_gaps.analyze(trace, pp=2, feedback=True)
+    assert [r["num_steps"] for r in rows] == [3, 0]
+    assert rows[0]["imbalance"] is None and rows[1]["wall_s"] == 0 and rows[1]["imbalance"] is None
+    assert rows[0]["idle_host_s"] == pytest.approx(1e-3)
+    table = pipeline_gaps.format_rows(rows)
+    assert "| stage 1 | 0 | - |" in table
 
 
 def test_a_trace_without_stage_lanes_is_a_clear_error(tmp_path, capsys):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(200)
 
 
 def test_probe_times_every_mode_and_finishes():
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "pipeserve.launch.p2p_interference", "--hidden", "64", "--tokens", "16", "--layers", "2",
            "--reps", "4", "--rounds", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
@@ -23,6 +23,8 @@ def test_probe_times_every_mode_and_finishes():
     assert "8 repetitions per mode" in proc.stdout
     rows = dict(re.findall(r"^\| (idle|recv|send) \| ([0-9.]+) \|", proc.stdout, flags=re.M))
     assert set(rows) == {"idle", "recv", "send"} and all(float(v) > 0 for v in rows.values())
+    # gloo cannot complete a receive before its peer sends: it was pending in every round
+    assert re.search(r"^\| recv \| [0-9.]+ \| [-+0-9.]+% \| 2 of 2 rounds \|", proc.stdout, flags=re.M)
 
 
 def test_probe_needs_torchrun_and_valid_sizes():
