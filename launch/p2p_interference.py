@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import time
@@ -35,6 +36,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from pipeserve.parallel.context import nccl_options
 
 MODES = ("idle", "recv", "send")
 
@@ -47,11 +50,16 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=16, help="layers per timed repetition (a stage's)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rounds", type=int, default=3, help="the three modes are timed this many times, interleaved")
+    p.add_argument("--max-ctas", type=int, default=None,
+                   help="NCCL: transfers on a group whose kernels hold at most this many CTAs (as the token-"
+                        "feedback group's, parallel.feedback_max_ctas); default: the default group")
     args = p.parse_args(argv)
     args.intermediate = args.intermediate or int(args.hidden * 3.5)
     for name in ("tokens", "hidden", "intermediate", "layers", "reps", "rounds"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1")
+    if args.max_ctas is not None and args.max_ctas < 1:
+        p.error("--max-ctas must be >= 1")
     return args
 
 
@@ -93,22 +101,27 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> tup
     after the timing; rank 1: None. ``store``: a key-value store both ranks reach (torchrun's)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     message = torch.zeros(args.tokens, args.hidden, dtype=dtype, device=device)
+    group = None
+    if args.max_ctas is not None:
+        group = dist.new_group([0, 1], pg_options=nccl_options(max_ctas=args.max_ctas))
+    send = functools.partial(dist.send, group=group)
+    recv = functools.partial(dist.recv, group=group)
     # One exchange each way first: NCCL connects a direction on its first transfer, which blocks
     # the host until the peer joins, and the peer here joins only after the timing.
     for src in (0, 1):
         if rank == src:
-            dist.send(message, dst=1 - src)
+            send(message, dst=1 - src)
         else:
-            dist.recv(message, src=src)
+            recv(message, src=src)
     timed = (f"p2p_interference/{r}/{mode}" for r in range(args.rounds) for mode in MODES)
     if rank != 0:
         for _ in range(args.rounds):
             for mode in MODES:
                 store.wait([next(timed)])  # rank 0 has timed `mode` with its transfer pending
                 if mode == "recv":
-                    dist.send(message, dst=0)
+                    send(message, dst=0)
                 elif mode == "send":
-                    dist.recv(message, src=0)
+                    recv(message, src=0)
         if device.type == "cuda":
             torch.cuda.synchronize()  # (every transfer is matched: nothing to wait for)
         return None
@@ -128,9 +141,9 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> tup
         for mode in MODES:
             work = None
             if mode == "recv":
-                work = dist.irecv(torch.empty_like(message), src=1)
+                work = dist.irecv(torch.empty_like(message), src=1, group=group)
             elif mode == "send":
-                work = dist.isend(message, dst=1)
+                work = dist.isend(message, dst=1, group=group)
             times[mode] += [_time(stage, device) for _ in range(args.reps)]
             pending[mode] += work is not None and not work.is_completed()
             store.set(next(timed), "1")
@@ -144,8 +157,10 @@ def run(args: argparse.Namespace, rank: int, device: torch.device, store) -> tup
 def format_table(times: dict[str, list[float]], pending: dict[str, int], args: argparse.Namespace,
                  device_name: str) -> str:
     idle = statistics.median(times["idle"])
+    nccl = "gloo" not in device_name
+    ctas = f" · transfers on a group of at most {args.max_ctas} CTAs" if args.max_ctas and nccl else ""
     lines = [f"p2p interference · {device_name} · {args.layers} layers of hidden {args.hidden},"
-             f" MLP {args.intermediate}, {args.tokens} tokens · {len(times['idle'])} repetitions per mode",
+             f" MLP {args.intermediate}, {args.tokens} tokens · {len(times['idle'])} repetitions per mode{ctas}",
              "| pending on rank 0 | median ms per repetition | against idle | still pending after the timing |",
              "|---|---|---|---|"]
     for mode in MODES:

@@ -104,9 +104,11 @@ def stage_ranks(stage: int, tp_size: int) -> list[int]:
     return list(range(stage * tp_size, (stage + 1) * tp_size))
 
 
-def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool = False) -> ParallelContext:
+def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool = False,
+                           feedback_max_ctas: int | None = None) -> ParallelContext:
     """The context of this process, creating one TP group per stage (and, with
-    ``token_feedback`` and pp_size > 1, the feedback group).
+    ``token_feedback`` and pp_size > 1, the feedback group; on NCCL its kernels hold at most
+    ``feedback_max_ctas`` CTAs, None = NCCL's default).
 
     torch.distributed must already be initialized with world_size == tp_size * pp_size.
     ``dist.new_group`` is collective over the whole world: every rank calls it for every stage's
@@ -130,13 +132,24 @@ def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool =
     feedback_group = None
     if token_feedback and pp_size > 1:
         ranks = [*stage_ranks(0, tp_size), (pp_size - 1) * tp_size]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, pg_options=nccl_options(max_ctas=feedback_max_ctas))
         if rank in ranks:
             feedback_group = group
     return ParallelContext(
         rank=rank, world_size=world_size, tp_size=tp_size, pp_size=pp_size, tp_group=tp_group,
         feedback_group=feedback_group,
     )
+
+
+def nccl_options(*, max_ctas: int | None):
+    """Options for ``dist.new_group`` whose NCCL communicators' kernels hold at most
+    ``max_ctas`` CTAs (SMs); None where that does not apply (no cap asked, another backend)."""
+    if max_ctas is None or dist.get_backend() != "nccl":
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.config.min_ctas = 1
+    options.config.max_ctas = max_ctas
+    return options
 
 
 # --- collectives over the TP group ----------------------------------------------------------

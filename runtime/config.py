@@ -35,6 +35,12 @@ class ParallelConfig:
     once per ``pp`` micro-batches. A request that stops (EOS, a stop string) may have one
     decode more computed and dropped. Measured at pp=2 on 2 × H200 (BENCHMARKS.md): sarathi's
     bubbles while loaded 17.6%/23.4% → 12.3%/14.7% per stage, orca's 56% → 30–40%."""
+    feedback_max_ctas: int | None = 1
+    """NCCL: the CTAs (SMs) each kernel of the token-feedback channel may hold. The first stage
+    posts each receive of sampled ids early (``parallel/feedback.py``), and a posted receive holds
+    its CTAs until the ids arrive, beside the stage's own compute; the messages are a few hundred
+    bytes. None = NCCL's default. (Its effect on stage time is not yet measured: BENCHMARKS.md,
+    fifth session.)"""
     stage_layers: list[int] | None = None
     """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers)."""
     host: str | None = None
@@ -48,6 +54,8 @@ class ParallelConfig:
             raise ValueError(f"parallel.tp and parallel.pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight < 1:
             raise ValueError("num_microbatches_in_flight must be >= 1")
+        if self.feedback_max_ctas is not None and self.feedback_max_ctas < 1:
+            raise ValueError(f"feedback_max_ctas must be >= 1 or null, got {self.feedback_max_ctas}")
         if self.stage_layers is not None and len(self.stage_layers) != self.pp:
             raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
         if not 0 < self.liveness_timeout_s <= 30:

@@ -76,7 +76,8 @@ def _init(config: EngineConfig, control_timeout: timedelta | None = None):
                          f"{config.parallel.world_size}")
     device = _device(config, int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback)
+    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback,
+                                 feedback_max_ctas=config.parallel.feedback_max_ctas)
     control = dist.new_group(backend="gloo", timeout=control_timeout)  # every rank, same order
     return int(os.environ["RANK"]), ctx, device, control
 

@@ -410,7 +410,8 @@ def main() -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = _device(config, local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback)
+    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback,
+                                 feedback_max_ctas=config.parallel.feedback_max_ctas)
     transport = TransportConfig(liveness_timeout_s=config.parallel.liveness_timeout_s,
                                 handshake_timeout_s=600.0)
     channel = None

@@ -66,7 +66,8 @@ def test_pp2_result_json_is_sane(pp2_run):
         assert s["busy_s"] > 0 and 0 < s["bubble_fraction"] < 1
         assert s["busy_s"] + s["recv_wait_s"] + s["idle_s"] == pytest.approx(s["wall_s"], rel=1e-6)
         assert s["bubble_fraction"] == pytest.approx(1 - s["busy_s"] / s["wall_s"])
-        assert 0 <= s["bubble_fraction_saturated"] < 1
+        # (at this light load prompts barely wait: a short window may hold no compute at all)
+        assert 0 <= s["bubble_fraction_saturated"] <= 1
     assert 0 < r["saturated_s"] <= thr["wall_s"]
     assert stages[1]["recv_wait_s"] > 0 and stages[0]["recv_wait_s"] == 0  # stage 1 waits for stage 0
     assert r["efficiency"]["prefill_tflops"] > 0 and r["efficiency"]["prefill_mfu"] is None  # no CPU peak

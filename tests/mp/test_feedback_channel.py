@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipeserve.parallel.context import build_parallel_context, nccl_options
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
 from pipeserve.parallel.wire import SamplingSpec, SeqPlan, StepPlan
 
@@ -41,7 +42,9 @@ def sampled(step: int) -> torch.Tensor:
 
 def _run(rank: int, init_file: str, out: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    group = dist.new_group([0, 1])
+    # pp=2 without TP: stage 0 (rank 0) and the driver (rank 1); the CTA cap is NCCL's alone
+    group = build_parallel_context(1, 2, token_feedback=True, feedback_max_ctas=1).feedback_group
+    assert group is not None and nccl_options(max_ctas=1) is None
     device = torch.device("cpu")
     warm_up(group, src=1, dsts=[0], rank=rank, device=device)
     if rank == 1:  # the driver

@@ -27,6 +27,16 @@ def test_probe_times_every_mode_and_finishes():
     assert re.search(r"^\| recv \| [0-9.]+ \| [-+0-9.]+% \| 2 of 2 rounds \|", proc.stdout, flags=re.M)
 
 
+def test_probe_on_a_group_of_its_own():
+    # --max-ctas: the transfers run on a new group (its CTA cap applies on NCCL only)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+           "pipeserve.launch.p2p_interference", "--hidden", "64", "--tokens", "16", "--layers", "1",
+           "--reps", "2", "--rounds", "1", "--max-ctas", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"^\| recv \| [0-9.]+ \| [-+0-9.]+% \| 1 of 1 rounds \|", proc.stdout, flags=re.M)
+
+
 def test_probe_needs_torchrun_and_valid_sizes():
     proc = subprocess.run([sys.executable, "-m", "pipeserve.launch.p2p_interference"], capture_output=True,
                           text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != "RANK"})

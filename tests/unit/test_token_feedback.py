@@ -219,3 +219,12 @@ def test_preemption_with_feedback_makes_progress():
 def test_feedback_distance_is_validated():
     with pytest.raises(ValueError, match="feedback_distance"):
         SchedulerConfig(feedback_distance=0)
+
+
+def test_feedback_max_ctas_is_validated():
+    from pipeserve.runtime.config import ParallelConfig
+
+    assert ParallelConfig(pp=2).feedback_max_ctas == 1
+    assert ParallelConfig(pp=2, feedback_max_ctas=None).feedback_max_ctas is None
+    with pytest.raises(ValueError, match="feedback_max_ctas"):
+        ParallelConfig(pp=2, feedback_max_ctas=0)
