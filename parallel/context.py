@@ -11,12 +11,15 @@ Nothing here is global: a ``ParallelContext`` is built once per process and pass
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,9 +149,13 @@ def nccl_options(*, max_ctas: int | None):
     ``max_ctas`` CTAs (SMs); None where that does not apply (no cap asked, another backend)."""
     if max_ctas is None or dist.get_backend() != "nccl":
         return None
-    options = dist.ProcessGroupNCCL.Options()
-    options.config.min_ctas = 1
-    options.config.max_ctas = max_ctas
+    try:
+        options = dist.ProcessGroupNCCL.Options()
+        options.config.min_ctas = 1
+        options.config.max_ctas = max_ctas
+    except AttributeError as e:  # a torch built against an NCCL without per-communicator config
+        logger.warning("NCCL communicator options unavailable (%s): the CTA cap is not applied", e)
+        return None
     return options
 
 
