@@ -29,6 +29,7 @@ The attribution is a reading of host-clock instants, good to tens of microsecond
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -37,11 +38,17 @@ from collections.abc import Sequence
 _EPS_S = 20e-6  # instants closer than this count as the same moment
 
 
+def stage_lanes(events: list[dict]) -> dict[int, str]:
+    """Thread id -> name of every stage lane (TP rank 0 of each stage) in trace events."""
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    return {tid: name for tid, name in names.items() if name.startswith("stage ") and " tp" not in name}
+
+
 def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
     """One row per stage lane: wall, compute, idle by cause (seconds) and compute shapes."""
     events = trace["traceEvents"]
-    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    lanes = sorted(tid for tid, name in names.items() if name.startswith("stage ") and " tp" not in name)
+    names = stage_lanes(events)
+    lanes = sorted(names)
     compute: dict[int, dict[int, tuple[float, float]]] = {tid: {} for tid in lanes}
     recv: dict[int, dict[int, float]] = {tid: {} for tid in lanes}
     submit: dict[int, tuple[float, int, int, list[int] | None]] = {}  # step -> (ts s, tokens, prefill, fed from)
@@ -75,7 +82,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
         spans = compute[tid]
         steps = sorted(spans)
         idle = {"previous stage": 0.0, "fed tokens": 0.0, "plan": 0.0, "host": 0.0}
-        for prev, step in zip(steps, steps[1:]):
+        for prev, step in itertools.pairwise(steps):
             gap_start, start = spans[prev][1], spans[step][0]
             gap = start - gap_start
             if gap <= 0:
@@ -86,10 +93,10 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             if rest <= 0:
                 continue
             # what arrived inside the gap; the later one ended it
-            inside = lambda t: t is not None and gap_start + _EPS_S < t <= start + _EPS_S  # noqa: E731
             fed = fed_end(step) if index == 0 else None
             plan = submit[step][0] if step in submit else None
-            causes = [(t, name) for t, name in ((fed, "fed tokens"), (plan, "plan")) if inside(t)]
+            causes = [(t, name) for t, name in ((fed, "fed tokens"), (plan, "plan"))
+                      if t is not None and gap_start + _EPS_S < t <= start + _EPS_S]
             idle[max(causes)[1] if causes else "host"] += rest
         durations = {s: spans[s][1] - spans[s][0] for s in steps}
         mixed = [durations[s] for s in steps if s in submit and submit[s][2] > 0]
@@ -144,8 +151,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     with open(trace_path) as f:
         trace = json.load(f)
     if pp is None:
-        pp = sum(1 for e in trace.get("traceEvents", []) if e.get("ph") == "M" and e.get("name") == "thread_name"
-                 and e["args"]["name"].startswith("stage ") and " tp" not in e["args"]["name"])
+        pp = len(stage_lanes(trace.get("traceEvents", [])))
     try:
         rows = analyze(trace, pp=pp, feedback=bool(feedback))
     except ValueError as e:

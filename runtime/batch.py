@@ -105,22 +105,20 @@ def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> Mo
     )
 
 
-def host_to_device(a: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host array as a ``dtype`` tensor on ``device``, without blocking the host (see
-    ``host_staging``)."""
+def host_to_device(a, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host array (numpy, or nested lists) as a ``dtype`` tensor on ``device``, without
+    blocking the host (see ``host_staging``)."""
     return host_staging(a, device, dtype).to(device, non_blocking=True)
 
 
-def host_staging(a: np.ndarray, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+def host_staging(a, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``a`` as the host tensor of a ``non_blocking`` copy to ``device``: on CUDA in pinned
     memory. A copy from pageable memory may first wait for the stream's earlier work (CUDA's
     API synchronization rules), which would keep a worker's host from preparing micro-batch
     j + 1 while the device runs j; the device would then idle while the host launches j + 1's
     kernels one by one. The pinned block returns to PyTorch's caching host allocator once the
     copy has run."""
-    t = torch.from_numpy(np.ascontiguousarray(a))
-    if dtype is not None and t.dtype != dtype:
-        t = t.to(dtype)
+    t = torch.as_tensor(a, dtype=dtype)
     return t.pin_memory() if device.type == "cuda" else t
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipeserve.runtime.batch import host_to_device
 from pipeserve.runtime.sampling_params import SamplingParams
 
 
@@ -105,7 +106,7 @@ def _sample(
     sampled = _exponential_race(probs, generators, random_rows)
     if not any(greedy):
         return sampled
-    is_greedy = _to_device(greedy, torch.bool, logits.device)
+    is_greedy = host_to_device(greedy, torch.bool, logits.device)
     return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
 
 
@@ -136,7 +137,7 @@ def _filtered_probs(
         )
         for p in params
     ]
-    settings = _to_device(rows, torch.float32, logits.device)  # [N, 4]
+    settings = host_to_device(rows, torch.float32, logits.device)  # [N, 4]
     temperature, top_k, top_p, min_p = settings.unbind(dim=1)  # each [N]
 
     logits = logits / temperature.unsqueeze(1)
@@ -197,7 +198,7 @@ def _apply_min_tokens(
         cols += banned
     if not rows:
         return logits
-    index = _to_device([rows, cols], torch.int64, logits.device)  # [2, M]
+    index = host_to_device([rows, cols], torch.int64, logits.device)  # [2, M]
     neg_inf = torch.tensor(float("-inf"), device=logits.device)
     return logits.index_put((index[0], index[1]), neg_inf)
 
@@ -223,10 +224,3 @@ def _gather_logprobs(
         row.setdefault(token_ids_cpu[i], values[i][-1])
         out.append(row)
     return out
-
-
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Host list -> device tensor without blocking the host (pinned, async copy on CUDA)."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
