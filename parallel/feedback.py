@@ -13,6 +13,17 @@ Both ends know each message's length from the plans (every rank sees every plan)
 ids travel: one message per micro-batch that samples, in step order, on a communicator of their
 own (``ParallelContext.feedback_group``) so they never queue behind the hidden states. On CUDA
 nothing here blocks the host: the receive is ordered before the embedding on the stream.
+
+When a receive is posted matters on CUDA. An NCCL receive is a kernel that holds SMs until its
+data arrive, and it starts once the compute stream's work queued before the call is done.
+Posted right after plan j (the ids of j arrive only after the last stage has computed j), it
+spins beside the first stage's whole compute of j + 1: ``launch/p2p_interference.py`` measured
+16 layers of Llama-3-8B's products at 512 tokens 48% slower beside such a receive (13.5% with
+the group capped at one CTA; H200). So the receive of plan j's ids is posted after plan
+j + pp − 1 is queued, the last one before a plan can be fed from j: it then starts when the
+stage's device has nothing else to do. It is never left unposted while this rank waits for a
+plan (``post`` from the worker's idle loop): the driver's send would stay pending, and a
+device-wide synchronization there (the caching allocator's) could wait for it forever.
 """
 
 from __future__ import annotations
@@ -46,8 +57,9 @@ class FeedbackSender:
     _MAX_PENDING = 8
     """Sends kept before the oldest is waited for. gloo reports a send completed only once
     waited for, so without this bound the queue would grow for the server's whole life; the
-    first stage posts each receive right after the plan's hidden states, so the oldest of eight
-    is long matched and the wait returns at once (on CUDA it only orders the stream)."""
+    first stage, ahead of this one in the pipeline, posts each receive pp − 1 plans after the
+    plan that sampled it (or as soon as it waits), so the oldest of eight is long matched and
+    the wait returns at once (on CUDA it only orders the stream)."""
 
     def __init__(self, group: dist.ProcessGroup, dsts: list[int]) -> None:
         self.group, self.dsts = group, dsts
@@ -99,18 +111,22 @@ class FeedbackReceiver:
     nobody waited for it (gloo reports a receive completed only once waited for; the driver,
     at most the pipeline depth behind, sent it long ago, so the one wait returns at once)."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device) -> None:
-        self.group, self.src, self.device = group, src, device
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1) -> None:
+        """``post_lag``: plans queued after a sampling plan before its receive is posted
+        (``post_due``); pp − 1, so that the receive waits beside no compute."""
+        if post_lag < 0:
+            raise ValueError(f"post_lag must be >= 0, got {post_lag}")
+        self.group, self.src, self.device, self.post_lag = group, src, device, post_lag
         self._last: dict[str, tuple[int, int]] = {}  # request -> (its newest sampling step, row)
-        self._expected: deque[tuple[int, int]] = deque()  # (step, tokens) not yet received
+        self._expected: deque[tuple[int, int, int]] = deque()  # (step, tokens, plan index) unposted
         self._received: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         self._waited: set[int] = set()
         self._num_plans = 0
 
     def take(self, plan: StepPlan) -> FeedPatch | None:
         """Call for every plan, in order, before its forward: the patch of its fed decodes
-        (None if it has none); then notes which of its sequences sample (``post`` receives them
-        after the plan's hidden states are sent)."""
+        (None if it has none); then notes which of its sequences sample (``post_due`` receives
+        them ``post_lag`` plans later)."""
         for rid in plan.freed:
             self._last.pop(rid, None)
         rows: dict[int, tuple[list[int], list[int]]] = {}
@@ -134,24 +150,36 @@ class FeedbackReceiver:
                 self._last[s.request_id] = (plan.step_id, num_sampled)
                 num_sampled += 1
         if num_sampled:
-            self._expected.append((plan.step_id, num_sampled))
+            self._expected.append((plan.step_id, num_sampled, self._num_plans))
         self._num_plans += 1
         if self._num_plans % self._PRUNE_EVERY == 0:
             self._prune(plan.step_id)
         return patch
 
+    @property
+    def unposted(self) -> bool:
+        """Whether some sampling plan's receive is not posted yet."""
+        return bool(self._expected)
+
+    def post_due(self) -> None:
+        """Posts the receives that are due: those of sampling plans taken ``post_lag`` or more
+        plans ago. Call after each plan's forward and hidden-state send are queued, so that
+        each receive is ordered after the compute that precedes its first use (module doc)."""
+        newest = self._num_plans - 1 - self.post_lag
+        while self._expected and self._expected[0][2] <= newest:
+            self._receive_until(self._expected[0][0])
+
     def post(self) -> None:
-        """Posts the receives of every sampling plan taken so far. Call once the plan's hidden
-        states are on their way: a receive posted late would leave the driver's send pending on
-        its GPU, and a device-wide synchronization there (the caching allocator freeing memory
-        for a large batch does one) would then wait for a receive that this rank posts only
-        after the driver's next tokens: a deadlock. Posted early, every send completes as soon
-        as the driver runs it."""
+        """Posts the receives of every sampling plan taken so far. Call whenever this rank
+        would wait for something else (a plan; shutdown): a receive left unposted keeps the
+        driver's send pending on its GPU, and a device-wide synchronization there (the caching
+        allocator freeing memory for a large batch does one) would then wait for a receive that
+        this rank posts only after the driver's next results: a deadlock."""
         if self._expected:
             self._receive_until(self._expected[-1][0])
 
     def _patch(self, rows: dict[int, tuple[list[int], list[int]]]) -> FeedPatch:
-        self._receive_until(max(rows))  # (posted already, after the plan that sampled them)
+        self._receive_until(max(rows))  # (posted already: at least post_lag plans back)
         parts = []
         for step, index in rows.items():
             work, tokens = self._received[step]
@@ -165,7 +193,7 @@ class FeedbackReceiver:
     def _receive_until(self, step_id: int) -> None:
         """Posts the receives of every sampling step up to ``step_id``, in order."""
         while self._expected and self._expected[0][0] <= step_id:
-            step, n = self._expected.popleft()
+            step, n, _ = self._expected.popleft()
             tokens = torch.empty(n, dtype=torch.int64, device=self.device)
             self._received[step] = (dist.irecv(tokens, src=self.src, group=self.group), tokens)
 

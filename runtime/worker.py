@@ -34,6 +34,9 @@ from pipeserve.runtime.loader import load_model, read_config_and_tokenizer, set_
 from pipeserve.runtime.sampler import Sampler, make_generator
 
 EXIT_ENGINE_LOST = 3
+_IDLE_POST_S = 0.005
+"""A first-stage rank that has waited this long for a plan posts its feedback receives still
+held back (parallel/feedback.py): sooner would put them beside the next plan's compute."""
 
 
 def stage_layers(config, num_stages: int, override: list[int] | None) -> list[tuple[int, int]]:
@@ -84,7 +87,7 @@ class Worker:
             if ctx.is_driver:
                 self.feedback_sender = FeedbackSender(group, first)
             else:
-                self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device)
+                self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1)
 
     def _agree_on_kv_blocks(self) -> int:
         """Every stage holds the same number of blocks: the fewest any rank can afford."""
@@ -133,7 +136,7 @@ class Worker:
             self.busy.end(plan.step_id)
             self._send(hidden)
             if self.feedback_receiver is not None:
-                self.feedback_receiver.post()  # this plan's sampled ids, from the driver
+                self.feedback_receiver.post_due()  # sampled ids due, from the driver (feedback.py)
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         if not self.ctx.is_driver:
@@ -228,9 +231,15 @@ class Worker:
         ids are still on their way from the device (``_PendingResult``) go out as soon as they
         are here, and before this rank waits for a plan (the engine matches results by step)."""
         pending: deque[_PendingResult | StepResult] = deque()  # in step order
+        receiver = self.feedback_receiver
         while True:
-            msg = channel.recv_plan(timeout_s=0.0 if pending else 1.0)
+            timeout = 0.0 if pending else 1.0
+            if receiver is not None and receiver.unposted:
+                timeout = min(timeout, _IDLE_POST_S)
+            msg = channel.recv_plan(timeout_s=timeout)
             if msg is None:
+                if receiver is not None and receiver.unposted:
+                    receiver.post()  # no plan to wait beside any more (feedback.py)
                 if pending:
                     channel.send(_arrived(pending.popleft()))
                     continue

@@ -55,10 +55,12 @@ def _run(rank: int, init_file: str, out: dict) -> None:
         sender.close()
         out["sender_most_pending"] = most
     else:  # the first stage
-        receiver, most, fed = FeedbackReceiver(group, src=1, device=device), 0, 0
+        receiver, most, fed = FeedbackReceiver(group, src=1, device=device, post_lag=1), 0, 0
         for step in range(NUM_STEPS):
             p = plan(step)
             patch = receiver.take(p)
+            # pp = 2: a step's receive waits until the next plan is queued (not beside its compute)
+            assert receiver.unposted and step not in receiver._received
             if step % 2 == 0 and step > 0:
                 ids = torch.zeros(1, dtype=torch.int64)
                 patch(ids)
@@ -66,7 +68,11 @@ def _run(rank: int, init_file: str, out: dict) -> None:
                 fed += 1
             else:
                 assert patch is None
-            receiver.post()  # (after the plan's hidden states, as the worker does)
+            receiver.post_due()  # (after the plan's hidden states, as the worker does)
+            assert step not in receiver._received and (step == 0 or step - 1 in receiver._received)
+            if step % 50 == 49:  # the worker's idle loop: everything taken is posted
+                receiver.post()
+                assert not receiver.unposted and step in receiver._received
             most = max(most, len(receiver._received))
         receiver.close()
         out["receiver_most_received"], out["fed"] = most, fed
