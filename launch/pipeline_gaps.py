@@ -20,8 +20,12 @@ When both the fed ids and the plan came inside a gap, the later of the two ended
 micro-batch is fed from are in the trace's submit instants (``fed_from``); for traces written
 before they were, a decode of j counts as fed from j − pp when ``--feedback`` is on.
 
-Compute is shown per kind of micro-batch (carrying prompt tokens, or decodes only) and the
-``imbalance`` column is the mean over micro-batches of 1 - (this stage's compute / the
+Compute is shown per kind of micro-batch (carrying prompt tokens, or decodes only): the median
+span and, in brackets, the median time the span went on after the rank's host had queued its
+last kernel (from the trace's ``queued_ms``). Near zero, the device ran at the pace of the host's
+launches: a stage that never waits for its input starts each span as soon as the previous one
+ends, while its host is still launching, so a slow launch shows as compute there and as
+``previous stage`` idle on the stages after it. The ``imbalance`` column is the mean over micro-batches of 1 - (this stage's compute / the
 slowest stage's compute of that micro-batch): what an even split of the layers would save.
 The attribution is a reading of host-clock instants, good to tens of microseconds.
 """
@@ -50,6 +54,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
     names = stage_lanes(events)
     lanes = sorted(names)
     compute: dict[int, dict[int, tuple[float, float]]] = {tid: {} for tid in lanes}
+    after_queued: dict[int, dict[int, float]] = {tid: {} for tid in lanes}  # span end - host's last launch
     recv: dict[int, dict[int, float]] = {tid: {} for tid in lanes}
     submit: dict[int, tuple[float, int, int, list[int] | None]] = {}  # step -> (ts s, tokens, prefill, fed from)
     for e in events:
@@ -57,6 +62,8 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             step = e["args"]["step"]
             if e.get("cat") == "compute":
                 compute[e["tid"]][step] = (e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                if (queued := e["args"].get("queued_ms")) is not None:
+                    after_queued[e["tid"]][step] = (e["dur"] / 1e3 - max(queued, 0.0)) / 1e3
             elif e.get("cat") == "wait":
                 recv[e["tid"]][step] = e["dur"] / 1e6
         elif e.get("ph") == "i" and e.get("name", "").startswith("submit "):
@@ -99,8 +106,13 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
                       if t is not None and gap_start + _EPS_S < t <= start + _EPS_S]
             idle[max(causes)[1] if causes else "host"] += rest
         durations = {s: spans[s][1] - spans[s][0] for s in steps}
-        mixed = [durations[s] for s in steps if s in submit and submit[s][2] > 0]
-        decode = [durations[s] for s in steps if s in submit and submit[s][2] == 0]
+        mixed = [s for s in steps if s in submit and submit[s][2] > 0]
+        decode = [s for s in steps if s in submit and submit[s][2] == 0]
+
+        def medians(of: list[int]) -> tuple[float | None, float | None]:
+            tails = [after_queued[tid][s] for s in of if s in after_queued[tid]]
+            return (statistics.median(durations[s] for s in of) * 1e3 if of else None,
+                    statistics.median(tails) * 1e3 if tails else None)
         shares = [1 - durations[s] / slowest[s] for s in steps if slowest[s] > 0]
         wall = spans[steps[-1]][1] - spans[steps[0]][0] if steps else 0.0
         busy = sum(durations.values())
@@ -108,8 +120,8 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             "lane": names[tid], "num_steps": len(steps), "wall_s": wall, "busy_s": busy,
             "idle_s": wall - busy, **{f"idle_{k.replace(' ', '_')}_s": v for k, v in idle.items()},
             "num_with_prompt": len(mixed), "num_decode_only": len(decode),
-            "median_with_prompt_ms": statistics.median(mixed) * 1e3 if mixed else None,
-            "median_decode_only_ms": statistics.median(decode) * 1e3 if decode else None,
+            **dict(zip(("median_with_prompt_ms", "median_with_prompt_after_queued_ms"), medians(mixed))),
+            **dict(zip(("median_decode_only_ms", "median_decode_only_after_queued_ms"), medians(decode))),
             "imbalance": statistics.fmean(shares) if shares else None,
         })
     return rows
@@ -118,9 +130,10 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
 def format_rows(rows: Sequence[dict]) -> str:
     pct = lambda x, w: f"{x / w:.1%}" if w > 0 else "-"  # noqa: E731
     ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    tail = lambda x: "" if x is None else f" ({x:.2f})"  # noqa: E731
     share = lambda x: "-" if x is None else f"{x:.1%}"  # noqa: E731
     lines = ["| lane | steps | busy | idle: previous stage | fed tokens | plan | host | imbalance"
-             " | with prompt: n, median ms | decode only: n, median ms |",
+             " | with prompt: n, median ms (after last launch) | decode only: n, median ms (after last launch) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         w = r["wall_s"]
@@ -128,7 +141,8 @@ def format_rows(rows: Sequence[dict]) -> str:
             f"| {r['lane']} | {r['num_steps']} | {pct(r['busy_s'], w)} | {pct(r['idle_previous_stage_s'], w)}"
             f" | {pct(r['idle_fed_tokens_s'], w)} | {pct(r['idle_plan_s'], w)} | {pct(r['idle_host_s'], w)}"
             f" | {share(r['imbalance'])} | {r['num_with_prompt']}, {ms(r['median_with_prompt_ms'])}"
-            f" | {r['num_decode_only']}, {ms(r['median_decode_only_ms'])} |")
+            f"{tail(r['median_with_prompt_after_queued_ms'])}"
+            f" | {r['num_decode_only']}, {ms(r['median_decode_only_ms'])}{tail(r['median_decode_only_after_queued_ms'])} |")
     return "\n".join(lines)
 
 

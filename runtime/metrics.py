@@ -131,12 +131,15 @@ def request_summary(requests: Sequence[RequestTimes], wall_s: float) -> dict:
 @dataclass(frozen=True, slots=True)
 class StageSpan:
     """One micro-batch on one rank: waiting for its input from ``recv_start`` to ``start``,
-    computing from ``start`` to ``end`` (host time.monotonic seconds)."""
+    computing from ``start`` to ``end`` (host time.monotonic seconds). ``queued``: when the
+    rank's host had queued the micro-batch's last kernel (None where unknown); a span that ends
+    right after it ran at the pace of the host's launches, not the device's."""
 
     step_id: int
     recv_start: float
     start: float
     end: float
+    queued: float | None = None
 
     @property
     def busy(self) -> float:
@@ -159,7 +162,7 @@ class StageTimeline:
 
     @classmethod
     def from_json(cls, data: Mapping) -> StageTimeline:
-        spans = [StageSpan(int(s), r, a, b) for s, r, a, b in data["spans"]]
+        spans = [StageSpan(int(s[0]), *s[1:]) for s in data["spans"]]  # (4 items before ``queued``)
         return cls(stage=data["stage"], rank=data["rank"], spans=spans, tp_rank=data.get("tp_rank", 0),
                    num_layers=data.get("num_layers"))
 
@@ -181,7 +184,8 @@ class LocalStageTimer:
     def submit(self, plan, samples) -> None:
         t0 = time.monotonic()
         self._inner.submit(plan, samples)
-        self.timeline.spans.append(StageSpan(plan.step_id, t0, t0, time.monotonic()))
+        end = time.monotonic()
+        self.timeline.spans.append(StageSpan(plan.step_id, t0, t0, end, end))
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -580,9 +584,11 @@ def chrome_trace(*, records: Sequence, done_times: Mapping[int, float], timeline
                 events.append({"ph": "X", "pid": pid, "tid": tid, "name": "recv wait", "cat": "wait",
                                "ts": us(s.recv_start), "dur": round(s.recv_wait * 1e6, 3),
                                "args": {"step": s.step_id}})
+            args = {"step": s.step_id, "tokens": tokens.get(s.step_id)}
+            if s.queued is not None:  # after the start: the host was still launching meanwhile
+                args["queued_ms"] = round((s.queued - s.start) * 1e3, 3)
             events.append({"ph": "X", "pid": pid, "tid": tid, "name": f"mb {s.step_id}", "cat": "compute",
-                           "ts": us(s.start), "dur": round(s.busy * 1e6, 3),
-                           "args": {"step": s.step_id, "tokens": tokens.get(s.step_id)}})
+                           "ts": us(s.start), "dur": round(s.busy * 1e6, 3), "args": args})
     return {"traceEvents": lanes + events, "displayTimeUnit": "ms"}
 
 

@@ -266,7 +266,7 @@ def _collect_timelines(own: dict | None, rank: int, world: int, group, out_dir: 
 
 
 def shift_spans(spans: list[list[float]], seconds: float) -> list[list[float]]:
-    """[step id, recv start, compute start, compute end] spans with their times moved."""
+    """[step id, recv start, compute start, compute end(, queued)] spans with their times moved."""
     return [[step, *(t + seconds for t in times)] for step, *times in spans]
 
 

@@ -317,6 +317,7 @@ class BusyTimer:
         self._pending: deque = deque()  # CUDA: (start, end) events not yet in busy_s
         self.spans: list = []  # record: (start, end) marks
         self.steps: list[tuple[int, object]] = []  # record: (step id, recv-start mark) per span
+        self.queued: list[float] = []  # record: host instant of each span's end call (all queued)
         self._start = None
         self._recv_start = None
         self._ref = None  # CUDA record: (event, host time) of one synchronized instant
@@ -353,6 +354,7 @@ class BusyTimer:
         if self.record:
             self.spans.append(span)
             self.steps.append((step_id, self._recv_start if self._recv_start is not None else self._start))
+            self.queued.append(time.monotonic())
             self._recv_start = None
 
     def poll(self) -> None:
@@ -367,15 +369,16 @@ class BusyTimer:
             self.busy_s += start.elapsed_time(end) / 1e3
 
     def timeline(self) -> list[list[float]]:
-        """[step id, recv start, compute start, compute end] per micro-batch, host seconds."""
+        """[step id, recv start, compute start, compute end, queued] per micro-batch, host
+        seconds; queued = when the host had queued the step's work (``end`` was called)."""
         if self.cuda and self.spans:
             torch.cuda.synchronize()
             ref, host = self._ref
             to_host = lambda ev: host + ref.elapsed_time(ev) / 1e3  # noqa: E731
         else:
             to_host = float
-        return [[step, to_host(recv), to_host(a), to_host(b)]
-                for (step, recv), (a, b) in zip(self.steps, self.spans)]
+        return [[step, to_host(recv), to_host(a), to_host(b), queued]
+                for (step, recv), (a, b), queued in zip(self.steps, self.spans, self.queued)]
 
     def summary(self) -> dict:
         """Record mode: busy_s: summed compute; wall_s: first start to last end; busy_fraction."""

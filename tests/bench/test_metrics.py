@@ -155,6 +155,16 @@ def test_chrome_trace_has_an_engine_lane_and_one_lane_per_stage():
     waits = [e for e in ev if e["ph"] == "X" and e["cat"] == "wait"]
     assert {e["tid"] for e in waits} == {1, 2, 3} and all(e["dur"] > 0 for e in waits)
     assert sum(e["ph"] == "b" for e in ev) == sum(e["ph"] == "e" for e in ev) == 2
+    assert all("queued_ms" not in e["args"] for e in ev if e.get("cat") == "compute")  # none known
+
+
+def test_timeline_json_with_and_without_the_queued_instant():
+    old = M.StageTimeline.from_json({"stage": 0, "rank": 0, "spans": [[3, 1.0, 1.5, 2.0]]})
+    new = M.StageTimeline.from_json({"stage": 0, "rank": 0, "spans": [[3, 1.0, 1.5, 2.0, 1.75]]})
+    assert old.spans[0].queued is None and new.spans[0] == M.StageSpan(3, 1.0, 1.5, 2.0, 1.75)
+    trace = M.chrome_trace(records=[], done_times={}, timelines=[new], arrivals={}, t0=0.0, prompt_lens={})
+    (compute,) = [e for e in trace["traceEvents"] if e.get("cat") == "compute"]
+    assert compute["args"]["queued_ms"] == pytest.approx(250.0)
 
 
 def test_plots_are_pngs(tmp_path):

@@ -8,14 +8,17 @@ from pipeserve.launch import pipeline_gaps
 
 
 def _trace(stage_spans, submits, recv_waits=(), fed_from=None):
-    """stage_spans: {stage: [(step, start ms, end ms)]}; submits: {step: (ts ms, tokens, prefill)};
-    recv_waits: [(stage, step, ms)]; fed_from: {step: [steps]} (written by newer engines)."""
+    """stage_spans: {stage: [(step, start ms, end ms[, queued ms])]}; submits: {step: (ts ms, tokens,
+    prefill)}; recv_waits: [(stage, step, ms)]; fed_from: {step: [steps]} (written by newer engines)."""
     ev = [{"ph": "M", "pid": 1, "tid": 0, "name": "thread_name", "args": {"name": "engine"}}]
     for stage, spans in stage_spans.items():
         ev.append({"ph": "M", "pid": 1, "tid": 1 + stage, "name": "thread_name", "args": {"name": f"stage {stage}"}})
-        for step, a, b in spans:
+        for step, a, b, *queued in spans:
+            args = {"step": step, "tokens": submits.get(step, (0, 0))[1]}
+            if queued:
+                args["queued_ms"] = queued[0] - a
             ev.append({"ph": "X", "pid": 1, "tid": 1 + stage, "cat": "compute", "name": f"mb {step}",
-                       "ts": a * 1e3, "dur": (b - a) * 1e3, "args": {"step": step, "tokens": submits.get(step, (0, 0))[1]}})
+                       "ts": a * 1e3, "dur": (b - a) * 1e3, "args": args})
     for stage, step, ms in recv_waits:
         ev.append({"ph": "X", "pid": 1, "tid": 1 + stage, "cat": "wait", "name": "recv wait",
                    "ts": 0.0, "dur": ms * 1e3, "args": {"step": step}})
@@ -62,6 +65,21 @@ def test_fed_from_in_the_trace_and_the_later_arrival_ends_a_gap():
     s0, _ = pipeline_gaps.analyze(_trace(spans, submits, fed_from={2: [0], 3: [1], 4: []}), pp=2, feedback=True)
     ms = lambda x: pytest.approx(x / 1e3, abs=1e-9)  # noqa: E731
     assert s0["idle_plan_s"] == ms(4) and s0["idle_fed_tokens_s"] == ms(3) and s0["idle_host_s"] == ms(1)
+
+
+def test_time_after_the_hosts_last_launch():
+    # Stage 0 ran both prompt micro-batches at its host's pace (queued 0.1 ms before the end; mb 1
+    # queued before it even started: the whole 10 ms); stage 1 had them queued before its input came.
+    submits = {0: (0, 512, 500), 1: (0, 512, 500), 2: (0, 40, 0)}
+    spans = {0: [(0, 0, 12, 11.9), (1, 12, 24, 23.9), (2, 24, 28, 20)],
+             1: [(0, 12, 22, 11), (1, 24, 34, 23), (2, 34, 38)]}
+    s0, s1 = pipeline_gaps.analyze(_trace(spans, submits), pp=2, feedback=True)
+    assert s0["median_with_prompt_after_queued_ms"] == pytest.approx(0.1)
+    assert s0["median_decode_only_after_queued_ms"] == pytest.approx(4.0)  # queued before the start
+    assert s1["median_with_prompt_after_queued_ms"] == pytest.approx(10.0)
+    assert s1["median_decode_only_after_queued_ms"] is None  # (no queued instant)
+    table = pipeline_gaps.format_rows([s0, s1])
+    assert "| 2, 12.00 (0.10) | 1, 4.00 (4.00) |" in table and "| 1, 4.00 |" in table
 
 
 def test_edge_cases_give_rows_not_crashes():
