@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -130,7 +131,7 @@ class Worker:
         if not self.ctx.is_first_stage:
             self.busy.begin_recv()
             hidden_in = self._recv(step.num_tokens)
-        self.busy.begin()
+        self.busy.begin(graph=isinstance(inputs, GraphStep))
         hidden = self._forward(inputs, hidden_in, feed)
         if not self.ctx.is_last_stage:
             self.busy.end(plan.step_id)
@@ -219,8 +220,10 @@ class Worker:
     def _write_stage_timeline(self, out_dir: str) -> None:
         """Benchmarks: this rank's per-step timeline as JSON, read by the bench after shutdown."""
         os.makedirs(out_dir, exist_ok=True)
+        host = self.busy.host_summary()
+        print(f"STAGE_HOST rank {self.ctx.rank} stage {self.ctx.stage} " + json.dumps(host), flush=True)
         data = dict(rank=self.ctx.rank, stage=self.ctx.stage, tp_rank=self.ctx.tp_rank,
-                    num_layers=self.num_layers, spans=self.busy.timeline())
+                    num_layers=self.num_layers, spans=self.busy.timeline(), host=host)
         with open(os.path.join(out_dir, f"stage_rank{self.ctx.rank}.json"), "w") as f:
             json.dump(data, f)
 
@@ -318,6 +321,7 @@ class BusyTimer:
         self.spans: list = []  # record: (start, end) marks
         self.steps: list[tuple[int, object]] = []  # record: (step id, recv-start mark) per span
         self.queued: list[float] = []  # record: host instant of each span's end call (all queued)
+        self.launches: list[tuple[bool, float]] = []  # record: (CUDA graph?, host instant of begin)
         self._start = None
         self._recv_start = None
         self._ref = None  # CUDA record: (event, host time) of one synchronized instant
@@ -340,8 +344,11 @@ class BusyTimer:
         if self.record:
             self._recv_start = self._mark()
 
-    def begin(self) -> None:
+    def begin(self, *, graph: bool = False) -> None:
+        """``graph``: the step replays a CUDA graph (else its kernels launch one by one)."""
         self._start = self._mark()
+        if self.record:
+            self.launches.append((graph, time.monotonic()))
 
     def end(self, step_id: int = -1) -> None:
         span = (self._start, self._mark())
@@ -379,6 +386,22 @@ class BusyTimer:
             to_host = float
         return [[step, to_host(recv), to_host(a), to_host(b), queued]
                 for (step, recv), (a, b), queued in zip(self.steps, self.spans, self.queued)]
+
+    def host_summary(self) -> dict:
+        """Record mode: the host's median milliseconds from a step's begin to its end call
+        (launching its forward, and on the driver its sampling) for eager and CUDA graph
+        steps; on CUDA also the caching allocator's device calls and retries (a retry frees
+        cached blocks, which synchronizes the device: the host then waits for earlier work)."""
+        out: dict = {}
+        for name, graph in (("eager", False), ("graph", True)):
+            ms = [(q - t) * 1e3 for (g, t), q in zip(self.launches, self.queued) if g == graph]
+            out[name] = {"n": len(ms), "launch_ms_p50": statistics.median(ms) if ms else None,
+                         "launch_ms_p90": statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else None}
+        if self.cuda:
+            stats = torch.cuda.memory_stats()
+            out["allocator"] = {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
+                                                              "num_device_free", "num_sync_all_streams")}
+        return out
 
     def summary(self) -> dict:
         """Record mode: busy_s: summed compute; wall_s: first start to last end; busy_fraction."""
