@@ -159,17 +159,18 @@ class StageTimeline:
     spans: list[StageSpan] = field(default_factory=list)
     tp_rank: int = 0
     num_layers: int | None = None
+    host: dict | None = None  # the worker's host summary (launch times, allocator), whole run
 
     @classmethod
     def from_json(cls, data: Mapping) -> StageTimeline:
         spans = [StageSpan(int(s[0]), *s[1:]) for s in data["spans"]]  # (4 items before ``queued``)
         return cls(stage=data["stage"], rank=data["rank"], spans=spans, tp_rank=data.get("tp_rank", 0),
-                   num_layers=data.get("num_layers"))
+                   num_layers=data.get("num_layers"), host=data.get("host"))
 
     def within(self, first_step: int) -> StageTimeline:
         """Only the micro-batches from ``first_step`` on (drops warm-up steps)."""
         spans = [s for s in self.spans if s.step_id >= first_step]
-        return StageTimeline(self.stage, self.rank, spans, self.tp_rank, self.num_layers)
+        return StageTimeline(self.stage, self.rank, spans, self.tp_rank, self.num_layers, self.host)
 
 
 class LocalStageTimer:
@@ -211,6 +212,7 @@ def stage_summary(timeline: StageTimeline, wall_start: float, wall_end: float) -
         "bubble_fraction": 1.0 - busy / wall if wall > 0 else None,
         "step_time_mean_s": sum(steps) / len(steps) if steps else None,
         "step_time_cv": coefficient_of_variation(steps),
+        **({"host": timeline.host} if timeline.host is not None else {}),
     }
 
 

@@ -70,6 +70,10 @@ def test_pp2_result_json_is_sane(pp2_run):
         assert 0 <= s["bubble_fraction_saturated"] <= 1
     assert 0 < r["saturated_s"] <= thr["wall_s"]
     assert stages[1]["recv_wait_s"] > 0 and stages[0]["recv_wait_s"] == 0  # stage 1 waits for stage 0
+    for s in stages:  # the workers' host summaries: on CPU every step is eager
+        host = s["host"]
+        assert host["graph"]["n"] == 0 and host["eager"]["n"] >= len(steps)  # (warm-up steps too)
+        assert 0 < host["eager"]["launch_ms_p50"] <= host["eager"]["launch_ms_p90"]
     assert r["efficiency"]["prefill_tflops"] > 0 and r["efficiency"]["prefill_mfu"] is None  # no CPU peak
     assert r["num_decode_stalls"] == 0
 
