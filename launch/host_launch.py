@@ -1,0 +1,176 @@
+"""The host's time to launch one eager micro-batch, against the device's time to run it.
+
+    python -m pipeserve.launch.host_launch --tokenizer gpt2_tokenizer.json --num-layers 16 [--profile 30]
+    python -m pipeserve.launch.host_launch --model MODEL_DIR_OR_GGUF                    # (CPU: torch ops)
+
+A pipeline stage that never waits for its input (stage 0) starts each micro-batch as soon as
+the device is free and then runs at the pace of its host's launches if launching is slower
+than the device; bench runs show it (``pipeline_gaps``: spans ending right after the last
+launch; ``result.json`` stages' ``host``). This times the pieces on one device, for a stage of
+``--num-layers`` layers (dummy weights of ``--shape``) and three micro-batches:
+
+- ``prepare``: ``to_tensors`` (packing the inputs, the host-to-device copies queued);
+- ``launch``: the host's time in the model's forward call, with the device kept busy by a sleep
+  queued first, so the host never waits for it unless something in the call synchronizes
+  (then ``launch`` holds the sleep's rest and the row says so);
+- ``device``: the forward's device time between events, queued whole before it runs.
+
+``--profile N`` then runs the first micro-batch's launches under cProfile (the device busy as
+above) and prints the N functions with the most own time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+
+import torch
+
+from pipeserve.kernels import kernel_ops
+from pipeserve.launch.bench_peers import SHAPES, write_model_folder
+from pipeserve.launch.profile import Profiler
+from pipeserve.runtime.batch import to_tensors
+from pipeserve.runtime.kv_cache import allocate_kv_cache
+from pipeserve.runtime.loader import load_model
+from pipeserve.runtime.model_runner import ModelRunner
+
+CASES = {  # name -> (cached prefix, new tokens) per sequence
+    "480-token chunk @1536 + 32 decodes @2000": [(2000, 1)] * 32 + [(1536, 480)],
+    "512-token chunk @0": [(0, 512)],
+    "64 decodes @2000 (eager)": [(2000, 1)] * 64,
+}
+_SLEEP_S = 0.2  # the device's head start per timed launch: longer than any launch here
+
+
+def _args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokenizer", help="a tokenizer.json for a dummy model of --shape")
+    src.add_argument("--model", help="a model folder or GGUF file (its own weights)")
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--num-layers", type=int, default=16, help="layers of the stage (dummy model)")
+    p.add_argument("--kernel-backend", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="then the top N functions by own time")
+    p.add_argument("--device", default=None, help="default: cuda if present, else cpu")
+    args = p.parse_args(argv)
+    if args.reps < 1 or args.num_layers < 1:
+        p.error("--reps and --num-layers must be >= 1")
+    return args
+
+
+class _DeviceSleep:
+    """Queues a sleep of about ``seconds`` on the current CUDA stream (a no-op on CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cycles_per_s = None
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)  # (warm-up)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
+
+    def __call__(self, seconds: float) -> None:
+        if self.cycles_per_s is not None:
+            torch.cuda._sleep(int(seconds * self.cycles_per_s))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_case(runner: ModelRunner, step, *, reps: int, sleep: _DeviceSleep) -> dict:
+    """Median prepare / launch / device milliseconds of ``reps`` eager forwards of ``step``."""
+    device, model = runner.device, runner.model
+    cuda = device.type == "cuda"
+    for _ in range(2):  # warm-up (compiles, allocator)
+        inputs = to_tensors(step, block_size=runner.block_size, device=device)
+        model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+    _sync(device)
+    prepare, launch, dev = [], [], []
+    for _ in range(reps):
+        sleep(_SLEEP_S)
+        t0 = time.perf_counter()
+        inputs = to_tensors(step, block_size=runner.block_size, device=device)
+        t1 = time.perf_counter()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        if cuda:
+            end.record()
+        t2 = time.perf_counter()
+        _sync(device)
+        prepare.append(t1 - t0)
+        launch.append(t2 - t1)
+        dev.append(start.elapsed_time(end) / 1e3 if cuda else t2 - t1)
+    ms = lambda xs: statistics.median(xs) * 1e3  # noqa: E731
+    row = {"prepare_ms": ms(prepare), "launch_ms": ms(launch), "device_ms": ms(dev)}
+    # A launch that outlasted the device's head start waited for it: something synchronized.
+    row["waited_for_device"] = cuda and row["prepare_ms"] + row["launch_ms"] > _SLEEP_S * 1e3 * 0.9
+    return row
+
+
+def profile_launches(runner: ModelRunner, step, *, reps: int, sleep: _DeviceSleep, top: int) -> str:
+    """cProfile of ``reps`` launches of ``step`` (prepare + forward call), the device kept busy."""
+    device = runner.device
+    prof = cProfile.Profile()
+    for _ in range(reps):
+        sleep(_SLEEP_S)
+        prof.enable()
+        inputs = to_tensors(step, block_size=runner.block_size, device=device)
+        runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        prof.disable()
+        _sync(device)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = _args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with tempfile.TemporaryDirectory(prefix="host-launch-") as folder:
+        if args.model:
+            loaded = load_model(args.model, dtype=dtype, device=device)
+        else:  # a config-only folder: dummy weights
+            write_model_folder(folder, args.tokenizer, num_layers=args.num_layers, with_weights=False,
+                               shape=args.shape)
+            loaded = load_model(folder, dtype=dtype, device=device, load_format="dummy")
+    loaded.model.set_ops(kernel_ops(args.kernel_backend, device))
+    cfg = loaded.config
+    blocks = max(sum(-(-(pre + q) // args.block_size) for pre, q in seqs) for seqs in CASES.values())
+    kv = allocate_kv_cache(cfg, num_layers=cfg.num_hidden_layers, num_blocks=blocks,
+                           block_size=args.block_size, dtype=dtype, device=device)
+    runner = ModelRunner(loaded.model, kv_caches=kv, block_size=args.block_size, device=device)
+    steps = Profiler(runner, block_size=args.block_size, vocab_size=cfg.vocab_size, device=device)
+    sleep = _DeviceSleep(device)
+    with torch.inference_mode():
+        rows = {name: time_case(runner, steps.step(seqs), reps=args.reps, sleep=sleep) for name, seqs in CASES.items()}
+        card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        print(f"host launch · {card} · {cfg.num_hidden_layers} layers of hidden {cfg.hidden_size} · kernels "
+              f"{loaded.model.ops.name} · median of {args.reps}")
+        print("| micro-batch | prepare ms | launch ms | device ms | launch ÷ device |\n|---|---|---|---|---|")
+        for name, r in rows.items():
+            note = " (waited for the device)" if r["waited_for_device"] else ""
+            print(f"| {name} | {r['prepare_ms']:.2f} | {r['launch_ms']:.2f}{note} | {r['device_ms']:.2f} | "
+                  f"{r['launch_ms'] / r['device_ms']:.2f} |")
+        if args.profile:
+            first = next(iter(CASES.values()))
+            print(profile_launches(runner, steps.step(first), reps=args.reps, sleep=sleep, top=args.profile))
+
+
+if __name__ == "__main__":
+    main()
