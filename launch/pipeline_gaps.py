@@ -28,6 +28,10 @@ ends, while its host is still launching, so a slow launch shows as compute there
 ``previous stage`` idle on the stages after it. The ``imbalance`` column is the mean over micro-batches of 1 - (this stage's compute / the
 slowest stage's compute of that micro-batch): what an even split of the layers would save.
 The attribution is a reading of host-clock instants, good to tens of microseconds.
+
+Given a run directory whose ``result.json`` holds the workers' host summaries, a second table
+gives each rank's host time per step from the forward's first launch to its last (eager and
+CUDA graph steps) and the caching allocator's retries (each one synchronizes the device).
 """
 
 from __future__ import annotations
@@ -146,6 +150,22 @@ def format_rows(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_host(stages: Sequence[dict]) -> str:
+    """The workers' host summaries (``result.json`` stages' ``host``), one row per rank that has one."""
+    ms = lambda d, k: "-" if d.get(k) is None else f"{d[k]:.2f}"  # noqa: E731
+    lines = ["| rank (stage) | eager steps: n, launch ms P50 / P90 | CUDA graph steps: n, launch ms P50 / P90"
+             " | allocator retries |", "|---|---|---|---|"]
+    for s in stages:
+        if not (host := s.get("host")):
+            continue
+        eager, graph = host.get("eager", {}), host.get("graph", {})
+        retries = host.get("allocator", {}).get("num_alloc_retries", "-")
+        lines.append(f"| {s['rank']} ({s['stage']}) | {eager.get('n', 0)}, {ms(eager, 'launch_ms_p50')} / "
+                     f"{ms(eager, 'launch_ms_p90')} | {graph.get('n', 0)}, {ms(graph, 'launch_ms_p50')} / "
+                     f"{ms(graph, 'launch_ms_p90')} | {retries} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("path", help="a bench run's directory, or its trace.json")
@@ -157,9 +177,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     trace_path = os.path.join(args.path, "trace.json") if os.path.isdir(args.path) else args.path
     pp, feedback = args.pp, args.feedback
     result_path = os.path.join(os.path.dirname(trace_path), "result.json")
-    if (pp is None or feedback is None) and os.path.exists(result_path):
+    stages = []
+    if os.path.exists(result_path):
         with open(result_path) as f:
-            parallel = json.load(f)["config"]["parallel"]
+            result = json.load(f)
+        stages = result.get("stages", [])
+        parallel = result["config"]["parallel"]
         pp = parallel["pp"] if pp is None else pp
         feedback = bool(parallel.get("token_feedback")) and pp > 1 if feedback is None else feedback
     with open(trace_path) as f:
@@ -171,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         p.error(str(e))
     print(format_rows(rows))
+    if host := format_host(stages):  # (runs from before the workers' host summaries have none)
+        print(host)
 
 
 if __name__ == "__main__":

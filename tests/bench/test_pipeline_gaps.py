@@ -100,3 +100,20 @@ def test_a_trace_without_stage_lanes_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         pipeline_gaps.main([str(path), "--pp", "2"])
     assert "no stage lanes" in capsys.readouterr().err
+
+
+def test_run_dir_prints_the_workers_host_summaries(tmp_path, capsys):
+    submits = {0: (0, 512, 500), 1: (0, 40, 0)}
+    (tmp_path / "trace.json").write_text(json.dumps(_trace({0: [(0, 0, 10), (1, 10, 14)], 1: [(0, 11, 21), (1, 21, 25)]},
+                                                           submits)))
+    host = {"eager": {"n": 1, "launch_ms_p50": 12.5, "launch_ms_p90": 20.25},
+            "graph": {"n": 1, "launch_ms_p50": 0.375, "launch_ms_p90": None},
+            "allocator": {"num_alloc_retries": 0}}
+    stages = [{"rank": 0, "stage": 0, "host": host}, {"rank": 1, "stage": 1}]  # rank 1: an older run's
+    (tmp_path / "result.json").write_text(json.dumps({"config": {"parallel": {"pp": 2, "token_feedback": True}},
+                                                      "stages": stages}))
+    pipeline_gaps.main([str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "| stage 0 | 2 |" in out
+    assert "| 0 (0) | 1, 12.50 / 20.25 | 1, 0.38 / - | 0 |" in out and "| 1 (1) |" not in out
+    assert pipeline_gaps.format_host([{"rank": 1, "stage": 1}]) == ""
