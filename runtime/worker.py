@@ -220,10 +220,8 @@ class Worker:
     def _write_stage_timeline(self, out_dir: str) -> None:
         """Benchmarks: this rank's per-step timeline as JSON, read by the bench after shutdown."""
         os.makedirs(out_dir, exist_ok=True)
-        host = self.busy.host_summary()
-        print(f"STAGE_HOST rank {self.ctx.rank} stage {self.ctx.stage} " + json.dumps(host), flush=True)
         data = dict(rank=self.ctx.rank, stage=self.ctx.stage, tp_rank=self.ctx.tp_rank,
-                    num_layers=self.num_layers, spans=self.busy.timeline(), host=host)
+                    num_layers=self.num_layers, spans=self.busy.timeline(), host=self.busy.host_summary())
         with open(os.path.join(out_dir, f"stage_rank{self.ctx.rank}.json"), "w") as f:
             json.dump(data, f)
 
