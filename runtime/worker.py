@@ -10,8 +10,11 @@ feedback it also sends the sampled ids to stage 0, which feeds them to later pla
 
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -35,6 +38,10 @@ from pipeserve.runtime.loader import load_model, read_config_and_tokenizer, set_
 from pipeserve.runtime.sampler import Sampler, make_generator
 
 EXIT_ENGINE_LOST = 3
+PROFILE_ENV = "PIPESERVE_WORKER_PROFILE"
+"""A folder: each worker profiles its ``execute`` calls (cProfile) and writes the functions with
+the most own and cumulative time there at shutdown (``worker_rank{R}.txt``). Diagnostics only:
+cProfile slows the host."""
 _IDLE_POST_S = 0.005
 """A first-stage rank that has waited this long for a plan posts its feedback receives still
 held back (parallel/feedback.py): sooner would put them beside the next plan's compute."""
@@ -233,6 +240,8 @@ class Worker:
         are here, and before this rank waits for a plan (the engine matches results by step)."""
         pending: deque[_PendingResult | StepResult] = deque()  # in step order
         receiver = self.feedback_receiver
+        profile_dir = os.environ.get(PROFILE_ENV)
+        profiler = cProfile.Profile() if profile_dir else None
         while True:
             timeout = 0.0 if pending else 1.0
             if receiver is not None and receiver.unposted:
@@ -260,12 +269,27 @@ class Worker:
                     print("STAGE_STATS " + json.dumps(stats), flush=True)
                 if out_dir := os.environ.get("PIPESERVE_STAGE_STATS_DIR"):
                     self._write_stage_timeline(out_dir)
+                if profiler is not None:
+                    _write_profile(profiler, profile_dir, self.ctx.rank)
                 return
+            if profiler is not None:
+                profiler.enable()
             result = self.execute(msg)
+            if profiler is not None:
+                profiler.disable()
             if result is not None:
                 pending.append(result)
             while pending and (isinstance(pending[0], StepResult) or pending[0].ready()):
                 channel.send(_arrived(pending.popleft()))
+
+
+def _write_profile(profiler: cProfile.Profile, folder: str, rank: int, top: int = 40) -> None:
+    os.makedirs(folder, exist_ok=True)
+    out = io.StringIO()
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(top)
+    with open(os.path.join(folder, f"worker_rank{rank}.txt"), "w") as f:
+        f.write(out.getvalue())
 
 
 class _PendingResult:

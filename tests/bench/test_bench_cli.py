@@ -5,18 +5,22 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+
+from pipeserve.runtime.worker import PROFILE_ENV
 
 pytestmark = pytest.mark.timeout(400)
 
 PIPESERVE = [sys.executable, "-m", "pipeserve.launch.cli"]
 
 
-def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*PIPESERVE, *args], capture_output=True, text=True, timeout=timeout)
+def run_cli(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run([*PIPESERVE, *args], capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
 
@@ -34,11 +38,11 @@ def check_png(path, min_bytes: int = 8000) -> None:
 @pytest.fixture(scope="module")
 def pp2_run(tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_pp2")
-    proc = run_cli(
+    proc = run_cli(  # (the workers also profile their steps: PROFILE_ENV)
         "bench", f"model.path={tiny_model}", "engine.device=cpu", "engine.num_kv_blocks=256",
         "parallel.pp=2", "workload=azure_conv", "workload.num_requests=12", "workload.time_scale=0.2",
         "workload.max_prompt_len=96", "workload.max_output_len=12", "scheduler.max_num_batched_tokens=64",
-        "bench.warmup_requests=1", f"hydra.run.dir={out}",
+        "bench.warmup_requests=1", f"hydra.run.dir={out}", env={PROFILE_ENV: str(out / "profiles")},
     )
     return out, proc, json.loads((out / "result.json").read_text())
 
@@ -70,6 +74,9 @@ def test_pp2_result_json_is_sane(pp2_run):
         assert 0 <= s["bubble_fraction_saturated"] <= 1
     assert 0 < r["saturated_s"] <= thr["wall_s"]
     assert stages[1]["recv_wait_s"] > 0 and stages[0]["recv_wait_s"] == 0  # stage 1 waits for stage 0
+    for rank in (0, 1):  # each worker's profile of its steps, by own and by cumulative time
+        text = (out / "profiles" / f"worker_rank{rank}.txt").read_text()
+        assert text.count("Ordered by:") == 2 and "worker.py" in text and "(execute)" in text
     for s in stages:  # the workers' host summaries: on CPU every step is eager
         host = s["host"]
         assert host["graph"]["n"] == 0 and host["eager"]["n"] >= len(steps)  # (warm-up steps too)
