@@ -23,7 +23,10 @@ the group capped at one CTA; H200). So the receive of plan j's ids is posted aft
 j + pp − 1 is queued, the last one before a plan can be fed from j: it then starts when the
 stage's device has nothing else to do. It is never left unposted while this rank waits for a
 plan (``post`` from the worker's idle loop): the driver's send would stay pending, and a
-device-wide synchronization there (the caching allocator's) could wait for it forever.
+device-wide synchronization there (the caching allocator's) could wait for it forever. For the
+same reason posting never allocates: each receive's buffer comes into being when its plan is
+taken, before that plan's hidden states are sent (a synchronization after the send would wait
+for the next stage, which may itself be waiting for this receive).
 """
 
 from __future__ import annotations
@@ -55,14 +58,16 @@ class FeedbackSender:
     """The last stage's driver: sends each sampling micro-batch's token ids to the first stage."""
 
     _MAX_PENDING = 8
-    """Sends kept before the oldest is waited for. gloo reports a send completed only once
-    waited for, so without this bound the queue would grow for the server's whole life; the
-    first stage, ahead of this one in the pipeline, posts each receive pp − 1 plans after the
-    plan that sampled it (or as soon as it waits), so the oldest of eight is long matched and
-    the wait returns at once (on CUDA it only orders the stream)."""
+    """Sends kept before the oldest is waited for (at least; ``max_pending``). gloo reports a
+    send completed only once waited for, so without a bound the queue would grow for the
+    server's whole life; the first stage, ahead of this one in the pipeline, posts each receive
+    pp − 1 plans after the plan that sampled it (or as soon as it waits), so with more than
+    pp + 1 kept the oldest is long matched and the wait returns at once (on CUDA it only orders
+    the stream)."""
 
-    def __init__(self, group: dist.ProcessGroup, dsts: list[int]) -> None:
+    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2) -> None:
         self.group, self.dsts = group, dsts
+        self.max_pending = max(self._MAX_PENDING, pp + 2)
         self._pending: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
         self._cuda = False
 
@@ -77,7 +82,7 @@ class FeedbackSender:
         self._pending.append((works, token_ids))  # the tensor lives until sent
         while self._pending and all(w.is_completed() for w in self._pending[0][0]):
             self._pending.popleft()
-        while len(self._pending) > self._MAX_PENDING:
+        while len(self._pending) > self.max_pending:
             for work in self._pending.popleft()[0]:
                 work.wait()
 
@@ -118,7 +123,11 @@ class FeedbackReceiver:
             raise ValueError(f"post_lag must be >= 0, got {post_lag}")
         self.group, self.src, self.device, self.post_lag = group, src, device, post_lag
         self._last: dict[str, tuple[int, int]] = {}  # request -> (its newest sampling step, row)
-        self._expected: deque[tuple[int, int, int]] = deque()  # (step, tokens, plan index) unposted
+        # (step, its ids' buffer, plan index) not posted yet. The buffer is allocated when the plan
+        # is taken, before its hidden states are sent: an allocation may synchronize the device
+        # (the caching allocator freeing memory), which after that send would wait for the next
+        # stage to receive it, and the driver may itself be in such a wait for this receive.
+        self._expected: deque[tuple[int, torch.Tensor, int]] = deque()
         self._received: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         self._waited: set[int] = set()
         self._num_plans = 0
@@ -150,7 +159,8 @@ class FeedbackReceiver:
                 self._last[s.request_id] = (plan.step_id, num_sampled)
                 num_sampled += 1
         if num_sampled:
-            self._expected.append((plan.step_id, num_sampled, self._num_plans))
+            buffer = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+            self._expected.append((plan.step_id, buffer, self._num_plans))
         self._num_plans += 1
         if self._num_plans % self._PRUNE_EVERY == 0:
             self._prune(plan.step_id)
@@ -193,8 +203,7 @@ class FeedbackReceiver:
     def _receive_until(self, step_id: int) -> None:
         """Posts the receives of every sampling step up to ``step_id``, in order."""
         while self._expected and self._expected[0][0] <= step_id:
-            step, n, _ = self._expected.popleft()
-            tokens = torch.empty(n, dtype=torch.int64, device=self.device)
+            step, tokens, _ = self._expected.popleft()  # (no allocation here: see __init__)
             self._received[step] = (dist.irecv(tokens, src=self.src, group=self.group), tokens)
 
     def _prune(self, newest: int) -> None:

@@ -93,7 +93,7 @@ class Worker:
             first = stage_ranks(0, ctx.tp_size)
             warm_up(group, src=ctx.driver_rank, dsts=first, rank=ctx.rank, device=device)
             if ctx.is_driver:
-                self.feedback_sender = FeedbackSender(group, first)
+                self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size)
             else:
                 self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1)
 

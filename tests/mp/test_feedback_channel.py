@@ -40,7 +40,7 @@ def sampled(step: int) -> torch.Tensor:
     return torch.tensor([1000 + step], dtype=torch.int64)
 
 
-def _run(rank: int, init_file: str, out: dict) -> None:
+def _run(rank: int, init_file: str, out: dict, post_lag: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     # pp=2 without TP: stage 0 (rank 0) and the driver (rank 1); the CTA cap is NCCL's alone
     group = build_parallel_context(1, 2, token_feedback=True, feedback_max_ctas=1).feedback_group
@@ -48,18 +48,18 @@ def _run(rank: int, init_file: str, out: dict) -> None:
     device = torch.device("cpu")
     warm_up(group, src=1, dsts=[0], rank=rank, device=device)
     if rank == 1:  # the driver
-        sender, most = FeedbackSender(group, [0]), 0
+        sender, most = FeedbackSender(group, [0], pp=post_lag + 1), 0
         for step in range(NUM_STEPS):
             sender.send(sampled(step))
             most = max(most, len(sender._pending))
         sender.close()
         out["sender_most_pending"] = most
     else:  # the first stage
-        receiver, most, fed = FeedbackReceiver(group, src=1, device=device, post_lag=1), 0, 0
+        receiver, most, fed = FeedbackReceiver(group, src=1, device=device, post_lag=post_lag), 0, 0
         for step in range(NUM_STEPS):
             p = plan(step)
             patch = receiver.take(p)
-            # pp = 2: a step's receive waits until the next plan is queued (not beside its compute)
+            # a step's receive waits until post_lag = pp - 1 more plans are queued (not beside compute)
             assert receiver.unposted and step not in receiver._received
             if step % 2 == 0 and step > 0:
                 ids = torch.zeros(1, dtype=torch.int64)
@@ -69,7 +69,9 @@ def _run(rank: int, init_file: str, out: dict) -> None:
             else:
                 assert patch is None
             receiver.post_due()  # (after the plan's hidden states, as the worker does)
-            assert step not in receiver._received and (step == 0 or step - 1 in receiver._received)
+            assert step not in receiver._received and (step < post_lag or step - post_lag in receiver._received)
+            if post_lag == 2 and step % 50 != 0:  # the step before is held back too (unless idle posted it)
+                assert step - 1 not in receiver._received
             if step % 50 == 49:  # the worker's idle loop: everything taken is posted
                 receiver.post()
                 assert not receiver.unposted and step in receiver._received
@@ -79,18 +81,19 @@ def _run(rank: int, init_file: str, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _entry(rank: int, init_file: str, results) -> None:
+def _entry(rank: int, init_file: str, results, post_lag: int) -> None:
     out: dict = {}
-    _run(rank, init_file, out)
+    _run(rank, init_file, out, post_lag)
     results.put((rank, out))
 
 
 @pytest.mark.timeout(120)
-def test_feedback_channel_over_gloo(tmp_path):
+@pytest.mark.parametrize("post_lag", [1, 2])  # pp = 2, pp = 3
+def test_feedback_channel_over_gloo(tmp_path, post_lag):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_file = os.path.join(tmp_path, "init")
-    procs = [ctx.Process(target=_entry, args=(r, init_file, results)) for r in range(2)]
+    procs = [ctx.Process(target=_entry, args=(r, init_file, results, post_lag)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -98,6 +101,6 @@ def test_feedback_channel_over_gloo(tmp_path):
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     got = dict(results.get(timeout=5) for _ in procs)
     assert got[0]["fed"] == NUM_STEPS // 2 - 1
-    assert got[1]["sender_most_pending"] <= FeedbackSender._MAX_PENDING
+    assert got[1]["sender_most_pending"] <= max(FeedbackSender._MAX_PENDING, post_lag + 3)
     # Unread receives (the odd steps) are dropped once old: bounded, not one per step.
     assert got[0]["receiver_most_received"] <= FeedbackReceiver._PRUNE_AGE + FeedbackReceiver._PRUNE_EVERY + 4
