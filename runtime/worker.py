@@ -344,6 +344,7 @@ class BusyTimer:
         self.steps: list[tuple[int, object]] = []  # record: (step id, recv-start mark) per span
         self.queued: list[float] = []  # record: host instant of each span's end call (all queued)
         self.launches: list[tuple[bool, float]] = []  # record: (CUDA graph?, host instant of begin)
+        self._launch: tuple[bool, float] = (False, 0.0)
         self._start = None
         self._recv_start = None
         self._ref = None  # CUDA record: (event, host time) of one synchronized instant
@@ -370,7 +371,7 @@ class BusyTimer:
         """``graph``: the step replays a CUDA graph (else its kernels launch one by one)."""
         self._start = self._mark()
         if self.record:
-            self.launches.append((graph, time.monotonic()))
+            self._launch = (graph, time.monotonic())
 
     def end(self, step_id: int = -1) -> None:
         span = (self._start, self._mark())
@@ -384,6 +385,7 @@ class BusyTimer:
             self.spans.append(span)
             self.steps.append((step_id, self._recv_start if self._recv_start is not None else self._start))
             self.queued.append(time.monotonic())
+            self.launches.append(self._launch)
             self._recv_start = None
 
     def poll(self) -> None:
