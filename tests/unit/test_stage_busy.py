@@ -86,5 +86,9 @@ def test_busy_timer_record_mode_keeps_the_timeline():
         t.end(step)
     timeline = t.timeline()
     assert [row[0] for row in timeline] == [0, 1, 2]
-    assert sum(c - b for _, _, b, c in timeline) == pytest.approx(t.busy_s)
+    assert sum(c - b for _, _, b, c, _ in timeline) == pytest.approx(t.busy_s)
+    # queued: when end() was called; on CPU the step's work is done by then
+    assert all(b <= c <= queued for _, _, b, c, queued in timeline)
     assert t.summary()["busy_s"] == pytest.approx(t.busy_s)
+    host = t.host_summary()
+    assert host["eager"]["n"] == 3 and host["graph"]["n"] == 0 and host["eager"]["launch_ms_p50"] >= 2.0
