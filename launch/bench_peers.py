@@ -160,6 +160,16 @@ def write_model_folder(
         subprocess.run([sys.executable, "-c", code, folder], check=True)
 
 
+def load_dummy_model(tokenizer_json: str, *, shape: str, num_layers: int, dtype, device):
+    """A ``shape`` model of ``num_layers`` layers with random weights (``load_model``'s result),
+    from a config-only folder that is gone again once loaded."""
+    from pipeserve.runtime.loader import load_model
+
+    with tempfile.TemporaryDirectory(prefix="dummy-model-") as folder:
+        write_model_folder(folder, tokenizer_json, num_layers=num_layers, with_weights=False, shape=shape)
+        return load_model(folder, dtype=dtype, device=device, load_format="dummy")
+
+
 def _hf_model(folder: str):
     import torch
     from transformers import AutoConfig, LlamaForCausalLM

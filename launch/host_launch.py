@@ -26,14 +26,13 @@ import cProfile
 import io
 import pstats
 import statistics
-import tempfile
 import time
 from collections.abc import Sequence
 
 import torch
 
 from pipeserve.kernels import kernel_ops
-from pipeserve.launch.bench_peers import SHAPES, write_model_folder
+from pipeserve.launch.bench_peers import SHAPES, load_dummy_model
 from pipeserve.launch.profile import Profiler
 from pipeserve.runtime.batch import to_tensors
 from pipeserve.runtime.kv_cache import allocate_kv_cache
@@ -85,19 +84,15 @@ class _DeviceSleep:
             torch.cuda._sleep(int(seconds * self.cycles_per_s))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_case(runner: ModelRunner, step, *, reps: int, sleep: _DeviceSleep) -> dict:
+def time_case(profiler: Profiler, step, *, reps: int, sleep: _DeviceSleep) -> dict:
     """Median prepare / launch / device milliseconds of ``reps`` eager forwards of ``step``."""
+    runner = profiler.runner
     device, model = runner.device, runner.model
     cuda = device.type == "cuda"
     for _ in range(2):  # warm-up (compiles, allocator)
         inputs = to_tensors(step, block_size=runner.block_size, device=device)
         model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
-    _sync(device)
+    profiler.sync()
     prepare, launch, dev = [], [], []
     for _ in range(reps):
         sleep(_SLEEP_S)
@@ -111,7 +106,7 @@ def time_case(runner: ModelRunner, step, *, reps: int, sleep: _DeviceSleep) -> d
         if cuda:
             end.record()
         t2 = time.perf_counter()
-        _sync(device)
+        profiler.sync()
         prepare.append(t1 - t0)
         launch.append(t2 - t1)
         dev.append(start.elapsed_time(end) / 1e3 if cuda else t2 - t1)
@@ -122,8 +117,9 @@ def time_case(runner: ModelRunner, step, *, reps: int, sleep: _DeviceSleep) -> d
     return row
 
 
-def profile_launches(runner: ModelRunner, step, *, reps: int, sleep: _DeviceSleep, top: int) -> str:
+def profile_launches(profiler: Profiler, step, *, reps: int, sleep: _DeviceSleep, top: int) -> str:
     """cProfile of ``reps`` launches of ``step`` (prepare + forward call), the device kept busy."""
+    runner = profiler.runner
     device = runner.device
     prof = cProfile.Profile()
     for _ in range(reps):
@@ -132,7 +128,7 @@ def profile_launches(runner: ModelRunner, step, *, reps: int, sleep: _DeviceSlee
         inputs = to_tensors(step, block_size=runner.block_size, device=device)
         runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
         prof.disable()
-        _sync(device)
+        profiler.sync()
     out = io.StringIO()
     pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
@@ -142,23 +138,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    with tempfile.TemporaryDirectory(prefix="host-launch-") as folder:
-        if args.model:
-            loaded = load_model(args.model, dtype=dtype, device=device)
-        else:  # a config-only folder: dummy weights
-            write_model_folder(folder, args.tokenizer, num_layers=args.num_layers, with_weights=False,
-                               shape=args.shape)
-            loaded = load_model(folder, dtype=dtype, device=device, load_format="dummy")
+    if args.model:
+        loaded = load_model(args.model, dtype=dtype, device=device)
+    else:
+        loaded = load_dummy_model(args.tokenizer, shape=args.shape, num_layers=args.num_layers, dtype=dtype,
+                                  device=device)
     loaded.model.set_ops(kernel_ops(args.kernel_backend, device))
     cfg = loaded.config
     blocks = max(sum(-(-(pre + q) // args.block_size) for pre, q in seqs) for seqs in CASES.values())
     kv = allocate_kv_cache(cfg, num_layers=cfg.num_hidden_layers, num_blocks=blocks,
                            block_size=args.block_size, dtype=dtype, device=device)
     runner = ModelRunner(loaded.model, kv_caches=kv, block_size=args.block_size, device=device)
-    steps = Profiler(runner, block_size=args.block_size, vocab_size=cfg.vocab_size, device=device)
+    profiler = Profiler(runner, block_size=args.block_size, vocab_size=cfg.vocab_size, device=device)
     sleep = _DeviceSleep(device)
     with torch.inference_mode():
-        rows = {name: time_case(runner, steps.step(seqs), reps=args.reps, sleep=sleep) for name, seqs in CASES.items()}
+        rows = {name: time_case(profiler, profiler.step(seqs), reps=args.reps, sleep=sleep)
+                for name, seqs in CASES.items()}
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"host launch · {card} · {cfg.num_hidden_layers} layers of hidden {cfg.hidden_size} · kernels "
               f"{loaded.model.ops.name} · median of {args.reps}")
@@ -169,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                   f"{r['launch_ms'] / r['device_ms']:.2f} |")
         if args.profile:
             first = next(iter(CASES.values()))
-            print(profile_launches(runner, steps.step(first), reps=args.reps, sleep=sleep, top=args.profile))
+            print(profile_launches(profiler, profiler.step(first), reps=args.reps, sleep=sleep, top=args.profile))
 
 
 if __name__ == "__main__":

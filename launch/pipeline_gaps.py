@@ -25,8 +25,9 @@ span and, in brackets, the median time the span went on after the rank's host ha
 last kernel (from the trace's ``queued_ms``). Near zero, the device ran at the pace of the host's
 launches: a stage that never waits for its input starts each span as soon as the previous one
 ends, while its host is still launching, so a slow launch shows as compute there and as
-``previous stage`` idle on the stages after it. The ``imbalance`` column is the mean over micro-batches of 1 - (this stage's compute / the
-slowest stage's compute of that micro-batch): what an even split of the layers would save.
+``previous stage`` idle on the stages after it. The ``imbalance`` column is the mean over
+micro-batches of 1 - (this stage's compute / the slowest stage's compute of that micro-batch):
+what an even split of the layers would save.
 The attribution is a reading of host-clock instants, good to tens of microseconds.
 
 Given a run directory whose ``result.json`` holds the workers' host summaries, a second table
@@ -112,11 +113,6 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
         durations = {s: spans[s][1] - spans[s][0] for s in steps}
         mixed = [s for s in steps if s in submit and submit[s][2] > 0]
         decode = [s for s in steps if s in submit and submit[s][2] == 0]
-
-        def medians(of: list[int]) -> tuple[float | None, float | None]:
-            tails = [after_queued[tid][s] for s in of if s in after_queued[tid]]
-            return (statistics.median(durations[s] for s in of) * 1e3 if of else None,
-                    statistics.median(tails) * 1e3 if tails else None)
         shares = [1 - durations[s] / slowest[s] for s in steps if slowest[s] > 0]
         wall = spans[steps[-1]][1] - spans[steps[0]][0] if steps else 0.0
         busy = sum(durations.values())
@@ -124,11 +120,20 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             "lane": names[tid], "num_steps": len(steps), "wall_s": wall, "busy_s": busy,
             "idle_s": wall - busy, **{f"idle_{k.replace(' ', '_')}_s": v for k, v in idle.items()},
             "num_with_prompt": len(mixed), "num_decode_only": len(decode),
-            **dict(zip(("median_with_prompt_ms", "median_with_prompt_after_queued_ms"), medians(mixed))),
-            **dict(zip(("median_decode_only_ms", "median_decode_only_after_queued_ms"), medians(decode))),
+            **dict(zip(("median_with_prompt_ms", "median_with_prompt_after_queued_ms"),
+                       _medians_ms(mixed, durations, after_queued[tid]))),
+            **dict(zip(("median_decode_only_ms", "median_decode_only_after_queued_ms"),
+                       _medians_ms(decode, durations, after_queued[tid]))),
             "imbalance": statistics.fmean(shares) if shares else None,
         })
     return rows
+
+
+def _medians_ms(steps: list[int], durations: dict[int, float], tails: dict[int, float]):
+    """(median span, median time after the last launch) of ``steps``, in ms; None where none."""
+    known = [tails[s] for s in steps if s in tails]
+    return (statistics.median(durations[s] for s in steps) * 1e3 if steps else None,
+            statistics.median(known) * 1e3 if known else None)
 
 
 def format_rows(rows: Sequence[dict]) -> str:

@@ -98,16 +98,16 @@ class Profiler:
         params = [SamplingParams(temperature=0.0)] * len(seqs)
         times = []
         for i in range(repeats + 1):
-            self._sync()
+            self.sync()
             t0 = time.perf_counter()
             self.runner.execute(step, params, [None] * len(seqs), num_output_tokens=[0] * len(seqs),
                                 eos_token_ids=())
-            self._sync()
+            self.sync()
             if i:  # the first run warms up
                 times.append(time.perf_counter() - t0)
         return min(times)
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 

@@ -22,19 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from collections import defaultdict
 
 import torch
 
 from pipeserve.kernels import kernel_ops
-from pipeserve.launch.bench_peers import write_model_folder
+from pipeserve.launch.bench_peers import load_dummy_model
 from pipeserve.launch.profile import Profiler
 from pipeserve.runtime import metrics as M
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.cuda_graphs import capture_cuda_graphs
 from pipeserve.runtime.kv_cache import allocate_kv_cache
-from pipeserve.runtime.loader import load_model
 from pipeserve.runtime.model_runner import ModelRunner
 from pipeserve.scheduler.cost_model import attention_work
 
@@ -150,10 +148,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    with tempfile.TemporaryDirectory(prefix="roofline-") as folder:  # a config-only folder
-        write_model_folder(folder, args.tokenizer, num_layers=args.num_layers, with_weights=False,
-                           shape=args.shape)
-        loaded = load_model(folder, dtype=dtype, device=device, load_format="dummy")
+    loaded = load_dummy_model(args.tokenizer, shape=args.shape, num_layers=args.num_layers, dtype=dtype, device=device)
     loaded.model.set_ops(kernel_ops(args.kernel_backend, device))
     cfg = loaded.config
     shape = M.ModelShape.of(cfg, dtype.itemsize)

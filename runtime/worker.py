@@ -341,10 +341,9 @@ class BusyTimer:
         self.num_steps = 0
         self._pending: deque = deque()  # CUDA: (start, end) events not yet in busy_s
         self.spans: list = []  # record: (start, end) marks
-        self.steps: list[tuple[int, object]] = []  # record: (step id, recv-start mark) per span
-        self.queued: list[float] = []  # record: host instant of each span's end call (all queued)
-        self.launches: list[tuple[bool, float]] = []  # record: (CUDA graph?, host instant of begin)
-        self._launch: tuple[bool, float] = (False, 0.0)
+        # record, per span: (step id, recv-start mark, CUDA graph?, host instants of begin and end)
+        self.steps: list[tuple[int, object, bool, float, float]] = []
+        self._launch: tuple[bool, float] = (False, 0.0)  # (CUDA graph?, host instant of begin)
         self._start = None
         self._recv_start = None
         self._ref = None  # CUDA record: (event, host time) of one synchronized instant
@@ -383,9 +382,8 @@ class BusyTimer:
             self.busy_s += span[1] - span[0]
         if self.record:
             self.spans.append(span)
-            self.steps.append((step_id, self._recv_start if self._recv_start is not None else self._start))
-            self.queued.append(time.monotonic())
-            self.launches.append(self._launch)
+            recv = self._recv_start if self._recv_start is not None else self._start
+            self.steps.append((step_id, recv, *self._launch, time.monotonic()))
             self._recv_start = None
 
     def poll(self) -> None:
@@ -409,7 +407,7 @@ class BusyTimer:
         else:
             to_host = float
         return [[step, to_host(recv), to_host(a), to_host(b), queued]
-                for (step, recv), (a, b), queued in zip(self.steps, self.spans, self.queued)]
+                for (step, recv, _, _, queued), (a, b) in zip(self.steps, self.spans)]
 
     def host_summary(self) -> dict:
         """Record mode: the host's median milliseconds from a step's begin to its end call
@@ -418,7 +416,7 @@ class BusyTimer:
         cached blocks, which synchronizes the device: the host then waits for earlier work)."""
         out: dict = {}
         for name, graph in (("eager", False), ("graph", True)):
-            ms = [(q - t) * 1e3 for (g, t), q in zip(self.launches, self.queued) if g == graph]
+            ms = [(q - t) * 1e3 for _, _, g, t, q in self.steps if g == graph]
             out[name] = {"n": len(ms), "launch_ms_p50": statistics.median(ms) if ms else None,
                          "launch_ms_p90": statistics.quantiles(ms, n=10)[-1] if len(ms) > 1 else None}
         if self.cuda:
