@@ -24,6 +24,11 @@ class AttentionMetadata:
     # Host copies, so CPU-side loops never read the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Optional, for a CUDA graph of a mixed batch: every attention program's (sequence, M tile)
+    # on the device, [W, 2] int32 (-1 for an unused item), made for ``work_block_m``-row tiles
+    # (``kernels.paged_attention.attention_work_list``); the host lists are then not read.
+    work_list: torch.Tensor | None = None
+    work_block_m: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -12,7 +12,10 @@ each key's block up in the block table, with an online softmax in float32: first
 every row sees whole (no mask), then the tiles along the causal diagonal (masked).
 
 Grid: ``(num_seqs, cdiv(max_q_len * g, BLOCK_M), num_kv_heads)``; programs past their
-sequence's rows return at once. A decode-only batch (T == num_seqs) uses small M tiles
+sequence's rows return at once. With a work list (``attention_work_list``: each program's
+sequence and M tile, on the device) the grid is ``(list length, 1, num_kv_heads)`` and does not
+depend on the batch's query lengths, so a mixed batch padded to a token bucket is captured in
+a CUDA graph too. A decode-only batch (T == num_seqs) uses small M tiles
 (16 rows, or g rounded up to a power of two: one tile per sequence and KV head) and never
 reads query_start_loc, so it can be captured in a CUDA graph (``batch_invariant``: 64-row
 tiles and one code path for every tile, see ``tile_config``). Tile sizes are untuned
@@ -22,6 +25,7 @@ a decode batch runs S * kvh programs, each over its whole context.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -92,6 +96,7 @@ def _paged_attention_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_ptr,
+    work_ptr,
     qk_scale,
     stride_qt,
     stride_qh,
@@ -107,12 +112,19 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DECODE_ONLY: tl.constexpr,
+    WORK_LIST: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    m_block = tl.program_id(1)
     kv_head = tl.program_id(2)
+    if WORK_LIST:  # program i runs work item i: (sequence, M tile), or (-1, 0) for none
+        seq = tl.load(work_ptr + 2 * tl.program_id(0))
+        m_block = tl.load(work_ptr + 2 * tl.program_id(0) + 1)
+    else:
+        seq = tl.program_id(0)
+        m_block = tl.program_id(1)
+    if seq < 0:  # an unused work item
+        return
     if DECODE_ONLY:  # token i is sequence i's only query
         q_start = seq
         q_len = 1
@@ -183,6 +195,32 @@ def tile_config(g: int, *, decode_only: bool, batch_invariant: bool) -> tuple[in
     return max(16 if decode_only else 64, triton.next_power_of_2(g)), 1
 
 
+def mixed_block_m(g: int, *, batch_invariant: bool = False) -> int:
+    """Rows (query, head of the group) per program of a batch that is not decode-only."""
+    return tile_config(g, decode_only=False, batch_invariant=batch_invariant)[0]
+
+
+def work_list_size(num_tokens: int, num_seqs: int, g: int, block_m: int) -> int:
+    """Work items enough for any batch of ``num_tokens`` tokens over at most ``num_seqs``
+    sequences: sequence i needs cdiv(q_i * g, block_m) < q_i * g / block_m + 1 of them."""
+    return -(-num_tokens * g // block_m) + num_seqs
+
+
+def attention_work_list(query_lens: np.ndarray, g: int, block_m: int, size: int) -> np.ndarray:
+    """[size, 2] int32: (sequence, M tile) of every program with rows to attend, in sequence
+    order, then (-1, 0) for the unused rest (``paged_attention`` with ``meta.work_list``)."""
+    q = np.asarray(query_lens, dtype=np.int64)
+    tiles = -(-q * g // block_m)  # [S] M tiles per sequence
+    n = int(tiles.sum())
+    if n > size:
+        raise ValueError(f"{n} work items do not fit a list of {size}")
+    out = np.zeros((size, 2), dtype=np.int32)
+    out[n:, 0] = -1
+    out[:n, 0] = np.repeat(np.arange(len(q)), tiles)
+    out[:n, 1] = np.arange(n) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    return out
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -207,7 +245,11 @@ def paged_attention(
     depends only on S, the head counts, d and block_size; the kernel reads seq_lens and
     block_tables from the device tensors and does not read query_start_loc at all (token i is
     sequence i's query). No host list of ``meta`` is read there. Other batches read
-    ``meta.query_start_loc_cpu`` on the host for the grid's max query length.
+    ``meta.query_start_loc_cpu`` on the host for the grid's max query length, unless
+    ``meta.work_list`` (``attention_work_list``) names every program's (sequence, M tile) on
+    the device: then the grid is that list's length, nothing on the host is read, and a mixed
+    batch is capturable too (a CUDA-graph runner fills the list per step; its unused items,
+    sequence -1, return at once).
 
     ``batch_invariant``: a token's result is the same bits whatever its micro-batch held, where
     its prompt's chunks started and however many query heads share its KV head (``tile_config``:
@@ -237,11 +279,19 @@ def paged_attention(
     if T == 0 or num_seqs == 0:
         return out
     g = h // kvh
-    decode_only = T == num_seqs  # every sequence has q_len >= 1, so all are 1
+    work = meta.work_list
+    # Every sequence has q_len >= 1, so T == num_seqs means all are 1 (a work list may list
+    # sequences with more, over a padded batch: it always takes the mixed tiles).
+    decode_only = T == num_seqs and work is None
     block_m, unmasked_tiles = tile_config(g, decode_only=decode_only, batch_invariant=batch_invariant)
     block_n, num_warps = 64, 4
-    max_q_len = 1 if decode_only else meta.max_query_len
-    grid = (num_seqs, triton.cdiv(max_q_len * g, block_m), kvh)
+    if work is not None:
+        assert meta.work_block_m == block_m, f"work list made for {meta.work_block_m}-row tiles, not {block_m}"
+        assert work.dtype == torch.int32 and work.device == q.device and work.dim() == 2, work
+        grid = (work.shape[0], 1, kvh)
+    else:
+        max_q_len = 1 if decode_only else meta.max_query_len
+        grid = (num_seqs, triton.cdiv(max_q_len * g, block_m), kvh)
     _paged_attention_kernel[grid](
         out,
         q,
@@ -250,6 +300,7 @@ def paged_attention(
         meta.block_tables,
         meta.seq_lens,
         meta.query_start_loc,
+        meta.seq_lens if work is None else work,  # (not read without a work list)
         scale * _LOG2E,
         q.stride(0),
         q.stride(1),
@@ -265,6 +316,7 @@ def paged_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DECODE_ONLY=decode_only,
+        WORK_LIST=work is not None,
         UNMASKED_TILES=unmasked_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps,

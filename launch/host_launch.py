@@ -1,4 +1,5 @@
-"""The host's time to launch one eager micro-batch, against the device's time to run it.
+"""The host's time to launch one micro-batch, eagerly and as a CUDA graph replay, against the
+device's time to run it.
 
     python -m pipeserve.launch.host_launch --tokenizer gpt2_tokenizer.json --num-layers 16 [--profile 30]
     python -m pipeserve.launch.host_launch --model MODEL_DIR_OR_GGUF                    # (CPU: torch ops)
@@ -14,6 +15,10 @@ launch; ``result.json`` stages' ``host``). This times the pieces on one device, 
   queued first, so the host never waits for it unless something in the call synchronizes
   (then ``launch`` holds the sleep's rest and the row says so);
 - ``device``: the forward's device time between events, queued whole before it runs.
+
+On CUDA with the Triton kernels every case runs both ways: ``eager`` (the kernels launched one
+by one) and ``graph`` (``CudaGraphRunner``: ``prepare`` pads the step to its bucket, ``launch``
+copies it into the static buffers and replays; the device time includes the padding).
 
 ``--profile N`` then runs the first micro-batch's launches under cProfile (the device busy as
 above) and prints the N functions with the most own time.
@@ -35,6 +40,7 @@ from pipeserve.kernels import kernel_ops
 from pipeserve.launch.bench_peers import SHAPES, load_dummy_model
 from pipeserve.launch.profile import Profiler
 from pipeserve.runtime.batch import to_tensors
+from pipeserve.runtime.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pipeserve.runtime.kv_cache import allocate_kv_cache
 from pipeserve.runtime.loader import load_model
 from pipeserve.runtime.model_runner import ModelRunner
@@ -84,25 +90,46 @@ class _DeviceSleep:
             torch.cuda._sleep(int(seconds * self.cycles_per_s))
 
 
-def time_case(profiler: Profiler, step, *, reps: int, sleep: _DeviceSleep) -> dict:
-    """Median prepare / launch / device milliseconds of ``reps`` eager forwards of ``step``."""
-    runner = profiler.runner
-    device, model = runner.device, runner.model
-    cuda = device.type == "cuda"
+class Path:
+    """How a micro-batch is prepared and launched: eagerly (``to_tensors``, then the forward
+    call), or through ``graphs`` (its ``prepare``, then a graph replay)."""
+
+    def __init__(self, runner: ModelRunner, graphs: CudaGraphRunner | None = None) -> None:
+        self.runner, self.graphs = runner, graphs
+        self.name = "eager" if graphs is None else "graph"
+
+    def prepare(self, step):
+        if self.graphs is not None:
+            inputs = self.graphs.prepare(step)
+            assert inputs is not None, "no captured bucket holds this micro-batch"
+            return inputs
+        return to_tensors(step, block_size=self.runner.block_size, device=self.runner.device)
+
+    def launch(self, inputs) -> None:
+        if self.graphs is not None:
+            self.graphs.replay(inputs)
+        else:
+            self.runner.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.meta)
+
+
+def time_case(profiler: Profiler, step, *, reps: int, sleep: _DeviceSleep, path: Path | None = None) -> dict:
+    """Median prepare / launch / device milliseconds of ``reps`` forwards of ``step`` (eager
+    unless ``path`` says otherwise)."""
+    path = path or Path(profiler.runner)
+    cuda = profiler.runner.device.type == "cuda"
     for _ in range(2):  # warm-up (compiles, allocator)
-        inputs = to_tensors(step, block_size=runner.block_size, device=device)
-        model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        path.launch(path.prepare(step))
     profiler.sync()
     prepare, launch, dev = [], [], []
     for _ in range(reps):
         sleep(_SLEEP_S)
         t0 = time.perf_counter()
-        inputs = to_tensors(step, block_size=runner.block_size, device=device)
+        inputs = path.prepare(step)
         t1 = time.perf_counter()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-        model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+        path.launch(inputs)
         if cuda:
             end.record()
         t2 = time.perf_counter()
@@ -151,16 +178,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     runner = ModelRunner(loaded.model, kv_caches=kv, block_size=args.block_size, device=device)
     profiler = Profiler(runner, block_size=args.block_size, vocab_size=cfg.vocab_size, device=device)
     sleep = _DeviceSleep(device)
+    paths = [Path(runner)]
+    if graphs_enabled(max_batch=64, max_tokens=512, device=device, ops_name=loaded.model.ops.name):
+        # The cases' buckets: 64 decodes, 512 tokens (and every smaller bucket, as a server has).
+        graphs = CudaGraphRunner(loaded.model, kv, max_batch=64, max_tokens=512, max_seqs=64,
+                                 block_size=args.block_size, max_model_len=4096, device=device)
+        graphs.capture()
+        paths.append(Path(runner, graphs))
     with torch.inference_mode():
-        rows = {name: time_case(profiler, profiler.step(seqs), reps=args.reps, sleep=sleep)
-                for name, seqs in CASES.items()}
+        rows = [(name, path.name, time_case(profiler, profiler.step(seqs), reps=args.reps, sleep=sleep, path=path))
+                for path in paths for name, seqs in CASES.items()]
         card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         print(f"host launch · {card} · {cfg.num_hidden_layers} layers of hidden {cfg.hidden_size} · kernels "
               f"{loaded.model.ops.name} · median of {args.reps}")
-        print("| micro-batch | prepare ms | launch ms | device ms | launch ÷ device |\n|---|---|---|---|---|")
-        for name, r in rows.items():
+        print("| micro-batch | path | prepare ms | launch ms | device ms | launch ÷ device |\n|---|---|---|---|---|---|")
+        for name, path, r in rows:
             note = " (waited for the device)" if r["waited_for_device"] else ""
-            print(f"| {name} | {r['prepare_ms']:.2f} | {r['launch_ms']:.2f}{note} | {r['device_ms']:.2f} | "
+            print(f"| {name} | {path} | {r['prepare_ms']:.2f} | {r['launch_ms']:.2f}{note} | {r['device_ms']:.2f} | "
                   f"{r['launch_ms'] / r['device_ms']:.2f} |")
         if args.profile:
             first = next(iter(CASES.values()))

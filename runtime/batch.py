@@ -69,11 +69,22 @@ class ModelInputs:
     sample_indices: torch.Tensor  # [N] int64 rows whose logits are sampled
 
 
-def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> ModelInputs:
-    """Packs a step into tensors: positions, KV slots, block tables (built in numpy, moved once)."""
+@dataclass(slots=True)
+class PackedArrays:
+    """A step's packed layout on the host (numpy): what ``to_tensors`` moves to the device and
+    a CUDA-graph runner pads into its static buffers."""
+
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    query_start: np.ndarray  # [S+1] int64
+    seq_lens: np.ndarray  # [S] int64
+    block_tables: np.ndarray  # [S, max blocks] int64, padded with 0
+
+
+def pack_step(step: StepInputs, *, block_size: int) -> PackedArrays:
+    """Positions, KV slots, query offsets, context lengths and block tables of a step."""
     q_lens = np.asarray(step.query_lens, dtype=np.int64)
     starts = np.asarray(step.start_positions, dtype=np.int64)
-    seq_lens = starts + q_lens
     query_start = np.zeros(len(q_lens) + 1, dtype=np.int64)
     np.cumsum(q_lens, out=query_start[1:])
     # positions: for each sequence, start .. start+q_len-1
@@ -83,25 +94,32 @@ def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> Mo
     if tables is None:
         tables = _pad_block_tables(step.block_tables)
     slots = tables[seq_of_token, positions // block_size] * block_size + positions % block_size
+    return PackedArrays(positions=positions, slot_mapping=slots, query_start=query_start,
+                        seq_lens=starts + q_lens, block_tables=tables)
+
+
+def to_tensors(step: StepInputs, *, block_size: int, device: torch.device) -> ModelInputs:
+    """Packs a step into tensors (built in numpy, ``pack_step``, and moved once)."""
+    packed = pack_step(step, block_size=block_size)
 
     def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return host_to_device(a, dtype, device)
 
     meta = AttentionMetadata(
-        slot_mapping=dev(slots, torch.int64),
-        query_start_loc=dev(query_start, torch.int32),
-        seq_lens=dev(seq_lens, torch.int32),
-        block_tables=dev(tables, torch.int32),
+        slot_mapping=dev(packed.slot_mapping, torch.int64),
+        query_start_loc=dev(packed.query_start, torch.int32),
+        seq_lens=dev(packed.seq_lens, torch.int32),
+        block_tables=dev(packed.block_tables, torch.int32),
         block_size=block_size,
-        query_start_loc_cpu=query_start.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
+        query_start_loc_cpu=packed.query_start.tolist(),
+        seq_lens_cpu=packed.seq_lens.tolist(),
     )
     return ModelInputs(
         input_ids=dev(np.asarray(step.token_ids, dtype=np.int64), torch.int64),
-        positions=dev(positions, torch.int64),
+        positions=dev(packed.positions, torch.int64),
         meta=meta,
         # step.sample_indices, from the offsets computed above: the last row of each sampled seq
-        sample_indices=dev(query_start[1:][np.asarray(step.needs_sample, dtype=bool)] - 1, torch.int64),
+        sample_indices=dev(packed.query_start[1:][np.asarray(step.needs_sample, dtype=bool)] - 1, torch.int64),
     )
 
 

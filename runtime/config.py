@@ -108,6 +108,12 @@ class EngineConfig:
     """Decode-only micro-batches of up to this many sequences replay a CUDA graph captured at
     start-up (per stage, bucketed by batch size; CUDA with the Triton kernels only); 0 = always
     run eagerly."""
+    cuda_graph_max_tokens: int = 1024
+    """Other micro-batches (prompt chunks, with or without decodes) of up to this many tokens
+    replay a CUDA graph too, bucketed by token count (multiples of 16 up to 512, then of 32
+    up to 1024, …; the step is padded): launching an 8B stage's kernels one by one takes the
+    host longer than the device needs to run a 512-token chunk. 0 = run them eagerly. Not in
+    deterministic mode."""
     cuda_graphs_in_workers: bool = True
     """Capture in tp/pp workers too (TP all-reduces inside the graphs, pipeline sends outside;
     greedy outputs identical to eager on 2 × H200 for tp=2 and pp=2). Not in deterministic
@@ -153,6 +159,8 @@ class EngineConfig:
             check_reduction_splits(self.effective_reduction_splits, self.parallel.tp)
         if self.cuda_graph_max_batch < 0:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
 
     @property
     def effective_reduction_splits(self) -> int:

@@ -22,11 +22,15 @@ from pipeserve.runtime.batch import StepInputs, to_tensors
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
 from pipeserve.runtime.cuda_graphs import (
     CudaGraphRunner,
+    MixedShape,
     batch_size_buckets,
     bucket_for,
     graph_max_batch,
+    graph_max_tokens,
     graphs_enabled,
     plan_graph_step,
+    plan_mixed_step,
+    token_buckets,
 )
 from pipeserve.runtime.kv_cache import allocate_kv_cache
 from pipeserve.runtime.model_runner import ModelRunner
@@ -83,15 +87,80 @@ def test_padded_step_matches_to_tensors():
     assert g.input_ids[:n].tolist() == ref.input_ids.tolist()
     assert g.positions[:n].tolist() == ref.positions.tolist()
     assert g.slot_mapping[:n].tolist() == ref.meta.slot_mapping.tolist()
-    assert g.seq_lens[:n].tolist() == ref.meta.seq_lens.tolist()
-    assert np.array_equal(g.block_tables[:n], ref.meta.block_tables.numpy())
-    assert g.input_ids.dtype == g.positions.dtype == g.slot_mapping.dtype == np.int64
-    assert g.seq_lens.dtype == g.block_tables.dtype == np.int32
-    assert g.block_tables.shape == (8, max(len(t) for t in tables))
+    assert g.ints[:n].tolist() == ref.meta.seq_lens.tolist()  # a decode step's ints: its seq_lens
+    assert np.array_equal(g.block_tables, ref.meta.block_tables.numpy())
+    assert g.tokens.shape == (3, 8) and g.tokens.dtype == np.int64
+    assert g.ints.dtype == g.block_tables.dtype == np.int32
+    assert g.block_tables.shape == (n, max(len(t) for t in tables))
     assert g.slot_mapping[n:].tolist() == [-1] * 3
-    assert g.seq_lens[n:].tolist() == [0] * 3
-    assert not g.block_tables[n:].any() and not g.input_ids[n:].any() and not g.positions[n:].any()
+    assert g.ints[n:].tolist() == [0] * 3
+    assert not g.input_ids[n:].any() and not g.positions[n:].any()
+    assert (g.kind, g.num_tokens) == ("decode", n)
     assert g.sample_rows is None and g.sample_indices == slice(None)
+
+
+def test_token_buckets():
+    assert token_buckets(128) == list(range(16, 129, 16))
+    buckets = token_buckets(1024)
+    assert buckets[:3] == [16, 32, 48] and buckets[-3:] == [960, 992, 1024] and len(buckets) == 48
+    assert 496 in buckets and 512 in buckets and 528 not in buckets and 544 in buckets
+    assert token_buckets(100)[-2:] == [96, 100] and token_buckets(5) == [5] and token_buckets(0) == []
+    with pytest.raises(ValueError):
+        token_buckets(-1)
+    # past 256 tokens, no bucket pads more than 1/16
+    assert all(bucket_for(n, buckets) <= n * 17 / 16 for n in range(256, 1025))
+
+
+def mixed_step(seed=0) -> StepInputs:
+    """A prompt chunk over a cached prefix, a whole prompt, two decodes; shuffled blocks."""
+    rng = random.Random(seed)
+    seqs = [(30, 17), (23, 0), (1, 40), (1, 7)]  # (q_len, start)
+    free = list(range(60))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range((s + q - 1) // BLOCK + 1)] for q, s in seqs]
+    return StepInputs(
+        request_ids=[f"r{i}" for i in range(len(seqs))],
+        token_ids=[rng.randrange(256) for _ in range(sum(q for q, _ in seqs))],
+        query_lens=[q for q, _ in seqs], start_positions=[s for _, s in seqs], block_tables=tables,
+        needs_sample=[False, True, True, True],
+    )
+
+
+def test_mixed_step_matches_to_tensors():
+    """The first num_tokens rows are what the eager path packs; the padding tokens form one
+    sequence with no context, and the work list covers every real tile and the padding's."""
+    step = mixed_step()
+    kw = dict(block_size=BLOCK, max_blocks_per_seq=8, g=4, block_m=64)
+    g = plan_mixed_step(step, buckets=[16, 32, 64, 80], max_seqs=6, **kw)
+    ref = to_tensors(step, block_size=BLOCK, device=torch.device("cpu"))
+    n, S = 55, 4
+    assert (g.kind, g.num_tokens, g.num_seqs, g.bucket) == ("mixed", n, S, 64)
+    assert g.input_ids[:n].tolist() == ref.input_ids.tolist()
+    assert g.positions[:n].tolist() == ref.positions.tolist()
+    assert g.slot_mapping[:n].tolist() == ref.meta.slot_mapping.tolist()
+    assert g.slot_mapping[n:].tolist() == [-1] * 9 and not g.input_ids[n:].any()
+    assert np.array_equal(g.block_tables, ref.meta.block_tables.numpy())
+    shape = MixedShape.of(64, max_seqs=6, g=4, block_m=64)
+    assert (shape.seqs, shape.work) == (7, 4 + 7) and len(g.ints) == shape.num_ints
+    seq_lens, query_start, work = shape.split(g.ints)
+    assert seq_lens.tolist() == ref.meta.seq_lens.tolist() + [0, 0, 0]
+    assert query_start.tolist() == ref.meta.query_start_loc.tolist() + [64, 64, 64]
+    # tiles: 30 tokens x 4 heads = 2 tiles, 23 x 4 = 2, a decode 1 each, the 9 padding tokens 1
+    assert work[:7].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1], [2, 0], [3, 0], [4, 0]]
+    assert (work[7:, 0] == -1).all()
+    assert g.sample_rows == step.sample_indices == [52, 53, 54]
+
+
+def test_mixed_step_exact_bucket_and_fallbacks():
+    step = mixed_step()
+    kw = dict(block_size=BLOCK, max_blocks_per_seq=8, g=4, block_m=64)
+    exact = plan_mixed_step(step, buckets=[55], max_seqs=4, **kw)
+    seq_lens, query_start, work = MixedShape.of(55, max_seqs=4, g=4, block_m=64).split(exact.ints)
+    assert exact.bucket == 55 and seq_lens[4] == 0 and query_start[4:].tolist() == [55, 55]
+    assert (work[6:, 0] == -1).all()  # the padding sequence has no tokens: no tile
+    assert plan_mixed_step(step, buckets=[32], max_seqs=8, **kw) is None  # too many tokens
+    assert plan_mixed_step(step, buckets=[64], max_seqs=3, **kw) is None  # too many sequences
+    assert plan_mixed_step(step, buckets=[64], max_seqs=8, **{**kw, "max_blocks_per_seq": 2}) is None
 
 
 def test_padded_step_sample_rows():
@@ -126,10 +195,18 @@ def test_when_graphs_are_on():
     small = EngineConfig(cuda_graph_max_batch=16, scheduler=SchedulerConfig(max_num_seqs=64))
     assert graph_max_batch(small) == 16
     assert graph_max_batch(EngineConfig(cuda_graph_max_batch=0)) == 0
+    assert config.cuda_graph_max_tokens == 1024 and graph_max_tokens(config) == 512
+    assert graph_max_tokens(EngineConfig(cuda_graph_max_tokens=256)) == 256
+    assert graph_max_tokens(EngineConfig(deterministic=True)) == 0
+    assert graphs_enabled(max_batch=0, max_tokens=64, device=gpu, ops_name="triton")
     with pytest.raises(ValueError, match="cuda_graph_max_batch"):
         EngineConfig(cuda_graph_max_batch=-1)
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        EngineConfig(cuda_graph_max_tokens=-1)
     with pytest.raises(ValueError, match="CUDA"):
         CudaGraphRunner(None, [], max_batch=4, block_size=BLOCK, max_model_len=64, device=cpu)
+    with pytest.raises(ValueError, match="max_batch or max_tokens"):
+        CudaGraphRunner(None, [], max_batch=0, block_size=BLOCK, max_model_len=64, device=cpu)
 
 
 def test_app_configs_set_the_field():
@@ -139,7 +216,7 @@ def test_app_configs_set_the_field():
     root = Path(pipeserve.configs.__file__).parent
     for name in ("generate", "serve", "bench", "profile"):
         engine = OmegaConf.load(root / f"{name}.yaml").engine
-        assert engine.cuda_graph_max_batch == 256, name
+        assert engine.cuda_graph_max_batch == 256 and engine.cuda_graph_max_tokens == 1024, name
 
 
 # --- the padded forward against the eager one ----------------------------------------------
@@ -150,7 +227,8 @@ class TwinRunners:
     through a CudaGraphRunner (replay, or its padded forward run eagerly). Sequences get
     shuffled, non-contiguous blocks that grow as they decode."""
 
-    def __init__(self, model, *, device, max_batch, use_graphs, num_blocks=160, max_model_len=256, seed=0):
+    def __init__(self, model, *, device, max_batch, use_graphs, max_tokens=0, num_blocks=160, max_model_len=256,
+                 seed=0):
         dtype = next(model.parameters()).dtype
 
         def caches():
@@ -159,8 +237,9 @@ class TwinRunners:
 
         self.eager = ModelRunner(model, kv_caches=caches(), block_size=BLOCK, device=device)
         graph_caches = caches()
-        self.graphs = CudaGraphRunner(model, graph_caches, max_batch=max_batch, block_size=BLOCK,
-                                      max_model_len=max_model_len, device=device, use_graphs=use_graphs)
+        self.graphs = CudaGraphRunner(model, graph_caches, max_batch=max_batch, max_tokens=max_tokens, max_seqs=16,
+                                      block_size=BLOCK, max_model_len=max_model_len, device=device,
+                                      use_graphs=use_graphs)
         self.graphs.capture()
         self.graphed = ModelRunner(model, kv_caches=graph_caches, block_size=BLOCK, device=device,
                                    cuda_graphs=self.graphs)
@@ -230,6 +309,30 @@ def compare_decodes(
     assert twins.graphs.num_replays - replays == len(batch_sizes)
 
 
+def compare_mixed(twins: TwinRunners, steps: list[tuple[int, int]], *, atol: float, margin: float) -> None:
+    """Steps of a prompt chunk (``chunk`` tokens) and ``decodes`` decodes of earlier sequences;
+    every other step's chunk continues the previous step's prompt over its cached prefix, the
+    others start a new prompt. Logits (every sampled row) from the graph path must match."""
+    twins.prefill([twins.rng.randrange(1, 40) for _ in range(6)])
+    replays = twins.graphs.num_mixed_replays
+    prompt = None
+    for i, (chunk, decodes) in enumerate(steps):
+        if prompt is None or i % 2 == 0:
+            prompt = len(twins.lens)
+        others = twins.rng.sample([s for s in range(len(twins.lens)) if s != prompt], decodes)
+        starts = [twins.lens[prompt] if prompt < len(twins.lens) else 0] + [twins.lens[s] for s in others]
+        sample = [i % 3 != 0 or decodes == 0] + [True] * decodes  # some steps sample no chunk row
+        step = twins._step([prompt, *others], [chunk] + [1] * decodes, starts, sample)
+        eager, graphed = twins.run(step)
+        assert graphed.shape == eager.shape and torch.isfinite(graphed).all()
+        scale = eager.abs().max().item()
+        torch.testing.assert_close(graphed, eager, atol=atol * scale, rtol=0)
+        top2 = eager.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > margin * scale
+        assert torch.equal(graphed.argmax(-1)[clear], eager.argmax(-1)[clear]), f"step {i}"
+    assert twins.graphs.num_mixed_replays - replays == sum(c + d <= twins.graphs.token_buckets[-1] for c, d in steps)
+
+
 def tiny_model(tmp_path, device, dtype):
     from pipeserve.runtime.weights import load_hf_model
 
@@ -251,6 +354,18 @@ def test_padded_forward_matches_eager_without_graphs(tmp_path):
     compare_decodes(twins, [1, 3, 8, 5], atol=1e-4, margin=1e-3, num_seqs=8, max_prompt=40)
 
 
+@runs_triton
+def test_padded_mixed_forward_matches_eager_without_graphs(tmp_path):
+    """The same for mixed steps padded to token buckets (16, 32, 48): prompt chunks with and
+    without a cached prefix beside decodes, an exact bucket, and a step too large for any."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model(tmp_path, device, torch.float32)
+    twins = TwinRunners(model, device=torch.device(device), max_batch=4, max_tokens=48, use_graphs=False)
+    assert twins.graphs.token_buckets == [16, 32, 48]
+    compare_mixed(twins, [(10, 3), (20, 2), (29, 3), (5, 0), (40, 8), (30, 1)], atol=1e-4, margin=1e-3)
+
+
 # --- GPU ----------------------------------------------------------------------------------
 
 
@@ -265,6 +380,20 @@ def test_gpu_graph_replay_matches_eager(tmp_path, dtype, atol, margin):
     twins = TwinRunners(model, device=torch.device("cuda"), max_batch=16, use_graphs=True)
     assert twins.graphs.buckets == [1, 2, 4, 8, 16] and twins.graphs.capture_seconds > 0
     compare_decodes(twins, [1, 2, 4, 8, 16, 3, 5, 13, 7, 16, 1, 9], atol=atol, margin=margin)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype, atol, margin", [(torch.float32, 1e-4, 1e-3), (torch.bfloat16, 3e-2, 5e-2)],
+                         ids=["fp32", "bf16"])
+def test_gpu_mixed_graph_replay_matches_eager(tmp_path, dtype, atol, margin):
+    """Mixed steps through token-bucket graphs (16 … 128): chunks over cached prefixes beside
+    decodes, exact and padded buckets, work lists and block tables changing between replays."""
+    model = tiny_model(tmp_path, "cuda", dtype)
+    twins = TwinRunners(model, device=torch.device("cuda"), max_batch=16, max_tokens=128, use_graphs=True)
+    assert twins.graphs.token_buckets == list(range(16, 129, 16))
+    steps = [(15, 1), (50, 6), (64, 0), (100, 12), (7, 9), (120, 8), (33, 15), (90, 2), (127, 1), (140, 3)]
+    compare_mixed(twins, steps, atol=atol, margin=margin)
 
 
 @pytest.mark.gpu

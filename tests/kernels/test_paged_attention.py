@@ -23,7 +23,12 @@ from helpers_kernels import DEVICE, gpu, runs_triton, interpreter_array_warning 
 
 from helpers_model import MIXED_BATCH, make_metadata  # noqa: E402
 
-from pipeserve.kernels.paged_attention import paged_attention  # noqa: E402
+from pipeserve.kernels.paged_attention import (  # noqa: E402
+    attention_work_list,
+    mixed_block_m,
+    paged_attention,
+    work_list_size,
+)
 from pipeserve.kernels.reference import attention_reference  # noqa: E402
 from pipeserve.kernels.attention_metadata import AttentionMetadata  # noqa: E402
 
@@ -168,6 +173,46 @@ def test_decode_batch_reads_only_device_metadata():
     stale.query_start_loc.fill_(12345)
     assert torch.equal(_run(q, kv_cache, stale, 0.2), want), f"seed {seed}"
     _check(want, q, kv_cache, meta, 0.2, seed)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (8, 2), (4, 4)])
+def test_work_list_matches_reference(num_heads, num_kv_heads):
+    """A mixed batch as a CUDA graph of a token bucket runs it: padded with a sequence of
+    ``pad`` tokens and no context, attended through a work list with unused items, the host
+    lists stale. The real rows match the reference, the padding rows are zeros."""
+    seed = _seed()
+    case = dict(block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32)
+    q, kv_cache, meta = _random_case(MIXED + [(70, 90)], **case, dtype=torch.float32, seed=seed)
+    T, pad, S = q.shape[0], 13, meta.num_seqs
+    g = num_heads // num_kv_heads
+    block_m = mixed_block_m(g)
+    q_lens = [b - a for a, b in zip(meta.query_start_loc_cpu, meta.query_start_loc_cpu[1:])] + [pad]
+    size = work_list_size(T + pad, S + 1, g, block_m) + 5
+    work = attention_work_list(q_lens, g, block_m, size)
+    assert (work[:, 0] == -1).sum() >= 5 and work[:, 0].max() == S  # the padding sequence has items
+    padded = _to(meta, DEVICE)
+    padded.query_start_loc = torch.tensor(meta.query_start_loc_cpu + [T + pad], dtype=torch.int32, device=DEVICE)
+    padded.seq_lens = torch.cat([padded.seq_lens, padded.seq_lens.new_zeros(1)])
+    padded.block_tables = torch.cat([padded.block_tables, padded.block_tables.new_zeros(1, padded.block_tables.shape[1])])
+    padded.work_list, padded.work_block_m = torch.from_numpy(work).to(DEVICE), block_m
+    padded.query_start_loc_cpu, padded.seq_lens_cpu = [0] * (S + 2), [0] * (S + 1)  # stale: never read
+    q_padded = torch.cat([q, torch.randn(pad, *q.shape[1:], device=DEVICE)])
+    got = _run(q_padded, kv_cache, padded, 0.2)
+    assert torch.equal(got[T:], torch.zeros_like(got[T:])), f"seed {seed}"
+    _check(got[:T], q, kv_cache, meta, 0.2, seed)
+
+
+def test_work_list_layout():
+    """Items in sequence order, one per M tile with rows; the size bound holds for any split."""
+    work = attention_work_list([1, 40, 3], g=4, block_m=64, size=8)
+    assert work.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0], [-1, 0], [-1, 0], [-1, 0]]
+    with pytest.raises(ValueError, match="do not fit"):
+        attention_work_list([1, 40, 3], g=4, block_m=64, size=4)
+    rng = random.Random(0)
+    for _ in range(200):
+        q_lens = [rng.randrange(1, 70) for _ in range(rng.randrange(1, 12))]
+        g, block_m = rng.choice([(1, 64), (3, 64), (4, 64), (8, 64), (1, 16)])
+        attention_work_list(q_lens, g, block_m, work_list_size(sum(q_lens), len(q_lens), g, block_m))
 
 
 def test_strided_q_from_a_fused_projection():
