@@ -309,11 +309,13 @@ def compare_decodes(
     assert twins.graphs.num_replays - replays == len(batch_sizes)
 
 
-def compare_mixed(twins: TwinRunners, steps: list[tuple[int, int]], *, atol: float, margin: float) -> None:
-    """Steps of a prompt chunk (``chunk`` tokens) and ``decodes`` decodes of earlier sequences;
-    every other step's chunk continues the previous step's prompt over its cached prefix, the
-    others start a new prompt. Logits (every sampled row) from the graph path must match."""
-    twins.prefill([twins.rng.randrange(1, 40) for _ in range(6)])
+def compare_mixed(twins: TwinRunners, steps: list[tuple[int, int]], *, atol: float, margin: float,
+                  num_seqs: int = 6) -> None:
+    """Steps of a prompt chunk (``chunk`` tokens) and ``decodes`` decodes of earlier sequences
+    (``num_seqs`` prefilled first); every other step's chunk continues the previous step's
+    prompt over its cached prefix, the others start a new prompt. Logits (every sampled row)
+    from the graph path must match."""
+    twins.prefill([twins.rng.randrange(1, 40) for _ in range(num_seqs)])
     replays = twins.graphs.num_mixed_replays
     prompt = None
     for i, (chunk, decodes) in enumerate(steps):
@@ -390,10 +392,11 @@ def test_gpu_mixed_graph_replay_matches_eager(tmp_path, dtype, atol, margin):
     """Mixed steps through token-bucket graphs (16 … 128): chunks over cached prefixes beside
     decodes, exact and padded buckets, work lists and block tables changing between replays."""
     model = tiny_model(tmp_path, "cuda", dtype)
-    twins = TwinRunners(model, device=torch.device("cuda"), max_batch=16, max_tokens=128, use_graphs=True)
+    twins = TwinRunners(model, device=torch.device("cuda"), max_batch=16, max_tokens=128, use_graphs=True,
+                        num_blocks=400)
     assert twins.graphs.token_buckets == list(range(16, 129, 16))
     steps = [(15, 1), (50, 6), (64, 0), (100, 12), (7, 9), (120, 8), (33, 15), (90, 2), (127, 1), (140, 3)]
-    compare_mixed(twins, steps, atol=atol, margin=margin)
+    compare_mixed(twins, steps, atol=atol, margin=margin, num_seqs=16)
 
 
 @pytest.mark.gpu
@@ -418,10 +421,11 @@ def tiny_folder(tmp_path) -> str:
     return str(folder)
 
 
-def generate_greedy(folder: str, *, device: str, cuda_graph_max_batch: int, tp: int = 1, pp: int = 1,
+def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: int = 1,
                     token_feedback: bool = False):
     """Greedy token ids of 24 prompts of varied lengths and output lengths, so the decode
-    batch shrinks through many (padded) bucket sizes; also the runner's replay count."""
+    batch shrinks through many (padded) bucket sizes and prompts are chunked beside decodes
+    (mixed buckets); also the runner's replay counts (all, mixed), None without a runner."""
     from pipeserve import LLM, SamplingParams
 
     rng = random.Random(0)
@@ -430,30 +434,31 @@ def generate_greedy(folder: str, *, device: str, cuda_graph_max_batch: int, tp: 
               for _ in prompts]
     config = EngineConfig(
         model=folder, device=device, dtype="float32", num_kv_blocks=256, max_model_len=256,
-        cuda_graph_max_batch=cuda_graph_max_batch, cuda_graphs_in_workers=tp * pp > 1,
+        cuda_graph_max_batch=256 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0,
+        cuda_graphs_in_workers=tp * pp > 1,
         scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=32),
         parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback),
     )
     with LLM.from_config(config) as llm:
         outs = llm.generate(prompts, params)
         runner = getattr(llm.engine.executor, "runner", None)
-        graphs = runner.cuda_graphs if runner is not None else None
-        replays = graphs.num_replays if graphs is not None else None
+        runner_graphs = runner.cuda_graphs if runner is not None else None
+        replays = (runner_graphs.num_replays, runner_graphs.num_mixed_replays) if runner_graphs is not None else None
     return [o.outputs[0].token_ids for o in outs], replays
 
 
 def test_cpu_engine_runs_without_graphs(tiny_folder):
     """On CPU the default config captures nothing and runs every step eagerly."""
-    _, replays = generate_greedy(tiny_folder, device="cpu", cuda_graph_max_batch=256)
+    _, replays = generate_greedy(tiny_folder, device="cpu", graphs=True)
     assert replays is None
 
 
 @pytest.mark.gpu
 @cuda
 def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
-    eager, none = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=0)
-    graphed, replays = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=256)
-    assert none is None and replays > 20
+    eager, none = generate_greedy(tiny_folder, device="cuda", graphs=False)
+    graphed, (replays, mixed) = generate_greedy(tiny_folder, device="cuda", graphs=True)
+    assert none is None and replays > 20 and 0 < mixed < replays
     assert graphed == eager
 
 
@@ -466,9 +471,8 @@ def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback):
     """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside;
     token feedback: NCCL ids from the last stage patched into the static input ids before a
     replay). It checks outputs only, not that the workers replayed."""
-    eager, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=0)
-    graphed, _ = generate_greedy(tiny_folder, device="cuda", cuda_graph_max_batch=256, tp=tp, pp=pp,
-                                 token_feedback=feedback)
+    eager, _ = generate_greedy(tiny_folder, device="cuda", graphs=False)
+    graphed, _ = generate_greedy(tiny_folder, device="cuda", graphs=True, tp=tp, pp=pp, token_feedback=feedback)
     assert graphed == eager
 
 
