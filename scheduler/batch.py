@@ -140,6 +140,17 @@ class BatchBuilder:
         fed = self._can_feed
         return [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
 
+    def decode_share(self) -> int:
+        """Most decodes this micro-batch may take: ceil(decoding requests / feedback_distance)
+        with token feedback and ``balance_decodes`` (``SchedulerConfig.balance_decodes``), else
+        no limit. A decoding request is running with its prompt done: its newest token is
+        pending (sampled in flight) or the one token it has left to compute."""
+        distance = self.config.feedback_distance
+        if distance is None or distance < 2 or not self.config.balance_decodes:
+            return len(self.running)
+        decoding = sum(1 for r in self.running if r.num_pending_tokens or r.num_remaining_tokens == 1)
+        return -(-decoding // distance)
+
     def running_prefills(self) -> list[Request]:
         """Schedulable running requests with more than one token left, in arrival order."""
         unblocked = self._is_unblocked
@@ -192,8 +203,14 @@ class BatchBuilder:
     def schedule_decodes(self) -> None:
         """One token for each schedulable running decode, in arrival order, while the budgets
         allow: most of every step, so done in one pass (``running_decodes`` has checked what
-        ``schedule_running`` asserts)."""
-        for request in self.running_decodes():
+        ``schedule_running`` asserts). With token feedback and ``balance_decodes``, at most
+        this micro-batch's share of the decoding requests (``decode_share``)."""
+        decodes = self.running_decodes()
+        share = self.decode_share()
+        if share < len(decodes):  # the longest-waiting first (sample_step: oldest), kept in arrival order
+            keep = {id(r) for r in sorted(decodes, key=lambda r: r.sample_step)[:share]}
+            decodes = [r for r in decodes if id(r) in keep]
+        for request in decodes:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted for an earlier decode's blocks
             if self._fit(request, 1) == 0:

@@ -67,6 +67,16 @@ class SchedulerConfig:
     it; the last stage hands the token to the first on the device. None: a request waits for
     its token (``Scheduler.update``) before its next decode."""
 
+    balance_decodes: bool = True
+    """With token feedback: no micro-batch takes more than its share of the decoding requests,
+    ceil(decoding / feedback_distance), the longest-waiting first. Each request decodes in
+    every ``feedback_distance``-th micro-batch, so requests fall into that many groups; a group
+    left empty (all decodes admitted into the same micro-batch, or one group finishing first)
+    leaves the pipeline a micro-batch short and a stage idle until the sampled tokens are back.
+    Holding the excess back one step moves it into the short group (vLLM's pipeline keeps
+    requests spread over its virtual engines for the same reason). False: every schedulable
+    decode joins."""
+
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; expected one of {POLICIES}")
@@ -81,7 +91,8 @@ class SchedulerConfig:
                 raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s!r}")
         if self.cost_model_path is not None and not isinstance(self.cost_model_path, str):
             raise ValueError(f"cost_model_path must be a path string, got {self.cost_model_path!r}")
-        for name in ("allow_same_request_in_consecutive_chunks", "enable_prefix_caching", "prefix_grouping"):
+        for name in ("allow_same_request_in_consecutive_chunks", "enable_prefix_caching", "prefix_grouping",
+                     "balance_decodes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.feedback_distance is not None and (
