@@ -134,7 +134,7 @@ def _paged_attention_kernel(
     if m_block * BLOCK_M >= q_len * G:  # past this sequence's rows
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    ctx_len = seq_len - q_len  # cached prefix; -1 for a padded decode row (seq_len 0)
+    ctx_len = seq_len - q_len  # cached prefix; -q_len for padding (seq_len 0): no key is visible
 
     rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     row_valid = rows < q_len * G
@@ -237,8 +237,10 @@ def paged_attention(
     ``[2, num_blocks, block_size, kvh, d]`` of q's dtype (fp16, bf16 or fp32); h % kvh == 0;
     d is a power of two >= 16; ``meta.seq_lens`` [S], ``meta.query_start_loc`` [S+1] and
     ``meta.block_tables`` [S, max_blocks] are int32 on q's device. Every sequence has
-    q_len >= 1 and q_len <= seq_len, except a padded decode row: q_len 1, seq_len 0, which
-    reads nothing and outputs zeros. Block-table entries past ``cdiv(seq_len, block_size)``
+    q_len >= 1 and q_len <= seq_len, except padding: a sequence with seq_len 0 (a padded
+    decode row, q_len 1, or a mixed graph's padding tokens, any q_len) reads nothing and
+    outputs zeros, and with a work list a sequence past the padding may have q_len 0 (no
+    work item names it). Block-table entries past ``cdiv(seq_len, block_size)``
     are never read. The output is float32-accumulated and has q's dtype.
 
     Decode-only batches (T == S, i.e. every q_len is 1) are CUDA-graph capturable: the launch

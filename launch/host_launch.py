@@ -48,7 +48,7 @@ from pipeserve.runtime.model_runner import ModelRunner
 CASES = {  # name -> (cached prefix, new tokens) per sequence
     "480-token chunk @1536 + 32 decodes @2000": [(2000, 1)] * 32 + [(1536, 480)],
     "512-token chunk @0": [(0, 512)],
-    "64 decodes @2000 (eager)": [(2000, 1)] * 64,
+    "64 decodes @2000": [(2000, 1)] * 64,
 }
 _SLEEP_S = 0.2  # the device's head start per timed launch: longer than any launch here
 

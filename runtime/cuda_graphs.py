@@ -250,8 +250,10 @@ def capture_cuda_graphs(
     leaves for transient activations (``engine._activation_bytes``, sized for a whole
     ``max_num_batched_tokens`` step plus 1 GiB; the workers' 2 GiB). The graphs share one
     pool, which holds one forward of the largest bucket (at most ``max_num_batched_tokens``
-    tokens: the step that reserve is sized for) plus the static buffers, so the KV sizing
-    needs no extra term. The capture log line reports what it took.
+    tokens: the step that reserve is sized for), plus every bucket's output buffer (its rows
+    × hidden: about 22k rows with the defaults, 170 MiB for an 8B model in bf16) and the
+    static buffers, inside the reserve's slack; the KV sizing adds no term. The capture log
+    line reports what it took.
     """
     max_batch, max_tokens = graph_max_batch(config), graph_max_tokens(config)
     if not graphs_enabled(max_batch=max_batch, max_tokens=max_tokens, device=device, ops_name=model.ops.name):
@@ -337,8 +339,9 @@ class CudaGraphRunner:
 
     @property
     def keys(self) -> list[tuple[str, int]]:
-        """Every bucket, largest first: the mixed ones, then the decode ones."""
-        return [("mixed", t) for t in reversed(self.token_buckets)] + [("decode", b) for b in reversed(self.buckets)]
+        """Every bucket, the most rows first (mixed before decode at equal rows)."""
+        keys = [("mixed", t) for t in self.token_buckets] + [("decode", b) for b in self.buckets]
+        return sorted(keys, key=lambda k: (-k[1], k[0] != "mixed"))
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -412,10 +415,13 @@ class CudaGraphRunner:
 
     def prepare(self, step: StepInputs) -> GraphStep | None:
         """Host side of a graphed step (can run while the previous stage still computes): a
-        decode bucket's, else a mixed bucket's; None when the step must run eagerly."""
+        decode bucket's for a decode-only step, a mixed bucket's for any other; None when the
+        step must run eagerly (a decode-only step never takes a mixed graph: with
+        ``cuda_graph_max_batch`` 0 decodes stay eager, and a mixed graph's 64-row attention
+        tiles would hold g rows each)."""
         g = plan_graph_step(step, buckets=self.buckets, block_size=self.block_size,
                             max_blocks_per_seq=self.max_blocks_per_seq)
-        if g is None and self.token_buckets:
+        if g is None and self.token_buckets and step.num_tokens > len(step.query_lens):
             g = plan_mixed_step(step, buckets=self.token_buckets, block_size=self.block_size,
                                 max_blocks_per_seq=self.max_blocks_per_seq, max_seqs=self.max_seqs,
                                 g=self.g, block_m=self.block_m)

@@ -21,7 +21,7 @@ class ModelRunner:
         device: torch.device,
         cuda_graphs: CudaGraphRunner | None = None,
     ) -> None:
-        """``cuda_graphs``: captured decode forwards over these ``kv_caches`` (None = eager)."""
+        """``cuda_graphs``: captured forwards over these ``kv_caches`` (None = eager)."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -33,7 +33,7 @@ class ModelRunner:
     def forward_logits(self, step: StepInputs) -> torch.Tensor:
         """Logits [N, V] (float32) of the last token of every sequence that samples."""
         if self.cuda_graphs is not None and (g := self.cuda_graphs.prepare(step)) is not None:
-            hidden = self.cuda_graphs.replay(g)  # [S, H], one row per sequence
+            hidden = self.cuda_graphs.replay(g)  # [T, H], one row per token
             return self.model.compute_logits(hidden[g.sample_indices])
         inputs = to_tensors(step, block_size=self.block_size, device=self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)

@@ -153,8 +153,8 @@ class Worker:
         return self._sample(plan, logits, time.perf_counter() - t0)  # (ends the busy span)
 
     def _prepare(self, step: StepInputs) -> GraphStep | ModelInputs:
-        """Host-side inputs: a padded graph step for a decode-only batch that fits a captured
-        bucket, else the packed tensors of an eager forward."""
+        """Host-side inputs: a padded graph step when a captured bucket holds the step (decode
+        or mixed, ``CudaGraphRunner.prepare``), else the packed tensors of an eager forward."""
         if self.cuda_graphs is not None and (g := self.cuda_graphs.prepare(step)) is not None:
             return g
         return to_tensors(step, block_size=self.config.block_size, device=self.device)

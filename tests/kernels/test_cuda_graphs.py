@@ -315,18 +315,23 @@ def compare_mixed(twins: TwinRunners, steps: list[tuple[int, int]], *, atol: flo
                   num_seqs: int = 6) -> None:
     """Steps of a prompt chunk (``chunk`` tokens) and ``decodes`` decodes of earlier sequences
     (``num_seqs`` prefilled first); every other step's chunk continues the previous step's
-    prompt over its cached prefix, the others start a new prompt. Logits (every sampled row)
+    prompt over its cached prefix, the others start a new prompt; ``chunk`` 0 makes a
+    decode-only step (a decode graph's, or eager past ``max_batch``: never a mixed graph's),
+    so decode and mixed replays share the static buffers in turn. Logits (every sampled row)
     from the graph path must match."""
     twins.prefill([twins.rng.randrange(1, 40) for _ in range(num_seqs)])
-    replays = twins.graphs.num_mixed_replays
+    replays, mixed = twins.graphs.num_replays, twins.graphs.num_mixed_replays
     prompt = None
     for i, (chunk, decodes) in enumerate(steps):
         if prompt is None or i % 2 == 0:
             prompt = len(twins.lens)
         others = twins.rng.sample([s for s in range(len(twins.lens)) if s != prompt], decodes)
-        starts = [twins.lens[prompt] if prompt < len(twins.lens) else 0] + [twins.lens[s] for s in others]
-        sample = [i % 3 != 0 or decodes == 0] + [True] * decodes  # some steps sample no chunk row
-        step = twins._step([prompt, *others], [chunk] + [1] * decodes, starts, sample)
+        if chunk == 0:
+            step = twins._step(others, [1] * decodes, None)
+        else:
+            starts = [twins.lens[prompt] if prompt < len(twins.lens) else 0] + [twins.lens[s] for s in others]
+            sample = [i % 3 != 0 or decodes == 0] + [True] * decodes  # some steps sample no chunk row
+            step = twins._step([prompt, *others], [chunk] + [1] * decodes, starts, sample)
         eager, graphed = twins.run(step)
         assert graphed.shape == eager.shape and torch.isfinite(graphed).all()
         scale = eager.abs().max().item()
@@ -334,7 +339,9 @@ def compare_mixed(twins: TwinRunners, steps: list[tuple[int, int]], *, atol: flo
         top2 = eager.topk(2, dim=-1).values
         clear = (top2[:, 0] - top2[:, 1]) > margin * scale
         assert torch.equal(graphed.argmax(-1)[clear], eager.argmax(-1)[clear]), f"step {i}"
-    assert twins.graphs.num_mixed_replays - replays == sum(c + d <= twins.graphs.token_buckets[-1] for c, d in steps)
+    max_tokens, max_batch = twins.graphs.token_buckets[-1], max(twins.graphs.buckets, default=0)
+    assert twins.graphs.num_mixed_replays - mixed == sum(0 < c and c + d <= max_tokens for c, d in steps)
+    assert twins.graphs.num_replays - replays == sum(c + d <= max_tokens if c else d <= max_batch for c, d in steps)
 
 
 def tiny_model(tmp_path, device, dtype):
@@ -361,13 +368,15 @@ def test_padded_forward_matches_eager_without_graphs(tmp_path):
 @runs_triton
 def test_padded_mixed_forward_matches_eager_without_graphs(tmp_path):
     """The same for mixed steps padded to token buckets (16, 32, 48): prompt chunks with and
-    without a cached prefix beside decodes, an exact bucket, and a step too large for any."""
+    without a cached prefix beside decodes, an exact bucket, a step too large for any (eager),
+    and decode-only steps in between (a decode bucket's, and one too large for any: eager)."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_model(tmp_path, device, torch.float32)
     twins = TwinRunners(model, device=torch.device(device), max_batch=4, max_tokens=48, use_graphs=False)
     assert twins.graphs.token_buckets == [16, 32, 48]
-    compare_mixed(twins, [(10, 3), (20, 2), (29, 3), (5, 0), (40, 8), (30, 1)], atol=1e-4, margin=1e-3)
+    steps = [(10, 3), (0, 3), (20, 2), (29, 3), (5, 0), (0, 6), (40, 8), (30, 1), (45, 5)]
+    compare_mixed(twins, steps, atol=1e-4, margin=1e-3, num_seqs=8)
 
 
 # --- GPU ----------------------------------------------------------------------------------
@@ -398,7 +407,8 @@ def test_gpu_mixed_graph_replay_matches_eager(tmp_path, dtype, atol, margin):
                         num_blocks=400)
     assert twins.graphs.token_buckets == list(range(16, 129, 16))
     # (no prompt outgrows the tiny model's 256 positions: the last one ends at 240)
-    steps = [(15, 1), (50, 6), (64, 0), (100, 12), (7, 9), (120, 8), (33, 15), (90, 2), (140, 3), (100, 1)]
+    steps = [(15, 1), (50, 6), (0, 5), (64, 0), (100, 12), (7, 9), (120, 8), (0, 16), (33, 15), (90, 2),
+             (140, 3), (100, 1)]
     compare_mixed(twins, steps, atol=atol, margin=margin, num_seqs=16)
 
 

@@ -186,7 +186,7 @@ def test_work_list_matches_reference(num_heads, num_kv_heads):
     T, pad, S = q.shape[0], 13, meta.num_seqs
     g = num_heads // num_kv_heads
     block_m = mixed_block_m(g)
-    q_lens = [b - a for a, b in zip(meta.query_start_loc_cpu, meta.query_start_loc_cpu[1:])] + [pad]
+    q_lens = [b - a for a, b in zip(meta.query_start_loc_cpu, meta.query_start_loc_cpu[1:], strict=False)] + [pad]
     size = work_list_size(T + pad, S + 1, g, block_m) + 5
     work = attention_work_list(q_lens, g, block_m, size)
     assert (work[:, 0] == -1).sum() >= 5 and work[:, 0].max() == S  # the padding sequence has items

@@ -263,9 +263,29 @@ def test_balanced_decodes_keep_the_pipeline_full():
     assert set(sizes) == {8} and empty >= len(sizes) - 1
 
 
-def test_balance_decodes_only_with_feedback():
-    from pipeserve.scheduler.batch import BatchBuilder  # noqa: F401  (the share is a BatchBuilder query)
+def test_decode_share_rounds_up_and_rotates():
+    """Five decoding requests at distance 2: shares of 3 (then the 2 left, then 3 …), and every
+    request decodes at least once in any two consecutive micro-batches (none is starved)."""
+    sched = scheduler("sarathi", distance=2, num_blocks=128, max_num_batched_tokens=64)
+    for r in requests([3] * 5):
+        sched.add_request(r)
+    pipe, inflight, plans = Pipeline(4), deque(), []
+    for _ in range(16):
+        out = sched.schedule()
+        if not out.is_empty:
+            pipe.run(out, 2)
+            inflight.append(out)
+            plans.append({s.request.request_id for s in out.scheduled})
+        if inflight and (len(inflight) >= 3 or out.is_empty):
+            done = inflight.popleft()
+            sched.update(done, pipe.sampled[done.step_id])
+    decodes = plans[1:]
+    assert max(map(len, decodes)) == 3 and {len(d) for d in decodes} <= {2, 3}
+    for a, b in zip(decodes, decodes[1:], strict=False):
+        assert a | b == {f"r{i}" for i in range(5)}
 
+
+def test_no_balancing_without_feedback():
     sched = scheduler("sarathi", distance=None, max_num_batched_tokens=64)
     for r in requests([3] * 6):
         sched.add_request(r)
