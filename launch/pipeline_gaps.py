@@ -30,7 +30,12 @@ micro-batches of 1 - (this stage's compute / the slowest stage's compute of that
 what an even split of the layers would save.
 The attribution is a reading of host-clock instants, good to tens of microseconds.
 
-Given a run directory whose ``result.json`` holds the workers' host summaries, a second table
+A second table says where the idle sits: the part before decode-only micro-batches, by cause,
+and, for the gaps a plan ended, how long before the submit the engine had had its newest result
+(the micro-batches' async slices end when it has them): a short time means the plan waited for
+that result (the in-flight window was full), a long one that the engine's own loop was slow.
+
+Given a run directory whose ``result.json`` holds the workers' host summaries, a third table
 gives each rank's host time per step from the forward's first launch to its last (eager and
 CUDA graph steps) and the caching allocator's retries (each one synchronizes the device).
 """
@@ -38,6 +43,7 @@ CUDA graph steps) and the caching allocator's retries (each one synchronizes the
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import os
@@ -62,6 +68,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
     after_queued: dict[int, dict[int, float]] = {tid: {} for tid in lanes}  # span end - host's last launch
     recv: dict[int, dict[int, float]] = {tid: {} for tid in lanes}
     submit: dict[int, tuple[float, int, int, list[int] | None]] = {}  # step -> (ts s, tokens, prefill, fed from)
+    results: list[float] = []  # when the engine had each micro-batch's result (its async slice's end)
     for e in events:
         if e.get("ph") == "X" and e.get("tid") in compute:
             step = e["args"]["step"]
@@ -74,6 +81,9 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
         elif e.get("ph") == "i" and e.get("name", "").startswith("submit "):
             a = e["args"]
             submit[int(e["name"].split()[1])] = (e["ts"] / 1e6, a["tokens"], a["prefill_tokens"], a.get("fed_from"))
+        elif e.get("ph") == "e" and e.get("cat") == "microbatch":
+            results.append(e["ts"] / 1e6)
+    results.sort()
     if not lanes or not any(compute.values()):
         raise ValueError("the trace has no stage lanes with compute spans (a bench run's trace.json?)")
     last = compute[lanes[-1]]
@@ -89,18 +99,27 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
         ends = [last[k][1] for k in fed_from if k in last]
         return max(ends) if ends else None
 
+    def reaction(step: int) -> float | None:
+        """How long before submitting ``step`` the engine had its newest result (None: none yet)."""
+        i = bisect.bisect_right(results, submit[step][0] + _EPS_S)
+        return submit[step][0] - results[i - 1] if i else None
+
     rows = []
     for index, tid in enumerate(lanes):
         spans = compute[tid]
         steps = sorted(spans)
         idle = {"previous stage": 0.0, "fed tokens": 0.0, "plan": 0.0, "host": 0.0}
+        decode_idle = dict.fromkeys(idle, 0.0)  # the part of each before a decode-only micro-batch
+        num_plan_gaps, reactions = 0, []  # plan gaps; the engine's time from its newest result to each submit
         for prev, step in itertools.pairwise(steps):
             gap_start, start = spans[prev][1], spans[step][0]
             gap = start - gap_start
             if gap <= 0:
                 continue
+            decode_only = step in submit and submit[step][2] == 0
             wait = min(recv[tid].get(step, 0.0), gap)
             idle["previous stage"] += wait
+            decode_idle["previous stage"] += wait * decode_only
             rest = gap - wait
             if rest <= 0:
                 continue
@@ -109,7 +128,13 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             plan = submit[step][0] if step in submit else None
             causes = [(t, name) for t, name in ((fed, "fed tokens"), (plan, "plan"))
                       if t is not None and gap_start + _EPS_S < t <= start + _EPS_S]
-            idle[max(causes)[1] if causes else "host"] += rest
+            cause = max(causes)[1] if causes else "host"
+            idle[cause] += rest
+            decode_idle[cause] += rest * decode_only
+            if cause == "plan":
+                num_plan_gaps += 1
+                if (r := reaction(step)) is not None:  # (traces without result instants: unknown)
+                    reactions.append(r)
         durations = {s: spans[s][1] - spans[s][0] for s in steps}
         mixed = [s for s in steps if s in submit and submit[s][2] > 0]
         decode = [s for s in steps if s in submit and submit[s][2] == 0]
@@ -125,8 +150,16 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             **dict(zip(("median_decode_only_ms", "median_decode_only_after_queued_ms"),
                        _medians_ms(decode, durations, after_queued[tid]))),
             "imbalance": statistics.fmean(shares) if shares else None,
+            **{f"idle_decode_only_{k.replace(' ', '_')}_s": v for k, v in decode_idle.items()},
+            "num_plan_gaps": num_plan_gaps,
+            "plan_reaction_ms_p50": statistics.median(reactions) * 1e3 if reactions else None,
+            "plan_reaction_ms_p90": _quantile(reactions, 0.9) * 1e3 if reactions else None,
         })
     return rows
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    return sorted(xs)[min(int(q * len(xs)), len(xs) - 1)]
 
 
 def _medians_ms(steps: list[int], durations: dict[int, float], tails: dict[int, float]):
@@ -152,6 +185,23 @@ def format_rows(rows: Sequence[dict]) -> str:
             f" | {share(r['imbalance'])} | {r['num_with_prompt']}, {ms(r['median_with_prompt_ms'])}"
             f"{tail(r['median_with_prompt_after_queued_ms'])}"
             f" | {r['num_decode_only']}, {ms(r['median_decode_only_ms'])}{tail(r['median_decode_only_after_queued_ms'])} |")
+    return "\n".join(lines)
+
+
+def format_idle_kinds(rows: Sequence[dict]) -> str:
+    """Where the idle sits: the share of the wall spent idle before decode-only micro-batches,
+    by cause, and for the gaps a plan ended, how long the engine had had its newest result."""
+    pct = lambda x, w: f"{x / w:.1%}" if w > 0 else "-"  # noqa: E731
+    ms = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    causes = ("previous_stage", "fed_tokens", "plan", "host")
+    lines = ["| lane | idle before decode-only steps | of it: previous stage / fed tokens / plan / host"
+             " | gaps a plan ended: n, engine's result-to-plan ms P50 / P90 |", "|---|---|---|---|"]
+    for r in rows:
+        w = r["wall_s"]
+        total = sum(r[f"idle_decode_only_{c}_s"] for c in causes)
+        parts = " / ".join(pct(r[f"idle_decode_only_{c}_s"], w) for c in causes)
+        lines.append(f"| {r['lane']} | {pct(total, w)} | {parts} | {r['num_plan_gaps']}, "
+                     f"{ms(r['plan_reaction_ms_p50'])} / {ms(r['plan_reaction_ms_p90'])} |")
     return "\n".join(lines)
 
 
@@ -199,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as e:
         p.error(str(e))
     print(format_rows(rows))
+    print(format_idle_kinds(rows))
     if host := format_host(stages):  # (runs from before the workers' host summaries have none)
         print(host)
 

@@ -7,9 +7,10 @@ import pytest
 from pipeserve.launch import pipeline_gaps
 
 
-def _trace(stage_spans, submits, recv_waits=(), fed_from=None):
+def _trace(stage_spans, submits, recv_waits=(), fed_from=None, results=None):
     """stage_spans: {stage: [(step, start ms, end ms[, queued ms])]}; submits: {step: (ts ms, tokens,
-    prefill)}; recv_waits: [(stage, step, ms)]; fed_from: {step: [steps]} (written by newer engines)."""
+    prefill)}; recv_waits: [(stage, step, ms)]; fed_from: {step: [steps]} (written by newer engines);
+    results: {step: ms} when the engine had each result (the end of its micro-batch's async slice)."""
     ev = [{"ph": "M", "pid": 1, "tid": 0, "name": "thread_name", "args": {"name": "engine"}}]
     for stage, spans in stage_spans.items():
         ev.append({"ph": "M", "pid": 1, "tid": 1 + stage, "name": "thread_name", "args": {"name": f"stage {stage}"}})
@@ -27,6 +28,8 @@ def _trace(stage_spans, submits, recv_waits=(), fed_from=None):
         if fed_from is not None:
             args["fed_from"] = fed_from.get(step, [])
         ev.append({"ph": "i", "s": "t", "pid": 1, "tid": 0, "name": f"submit {step}", "ts": ts * 1e3, "args": args})
+    for step, ms in (results or {}).items():
+        ev.append({"ph": "e", "cat": "microbatch", "id": step, "pid": 1, "tid": 0, "name": f"mb {step}", "ts": ms * 1e3})
     return {"traceEvents": ev}
 
 
@@ -52,6 +55,30 @@ def test_gaps_are_attributed_to_what_ended_them():
     s0_nofb, _ = pipeline_gaps.analyze(trace, pp=2, feedback=False)
     assert s0_nofb["idle_fed_tokens_s"] == 0 and s0_nofb["idle_host_s"] == ms(1)
     assert "| stage 0 | 4 | 92.5% |" in pipeline_gaps.format_rows([s0, s1])
+
+
+def test_where_the_idle_sits():
+    """The first test's run with the engine's result instants: stage 0's fed-token wait (1 ms)
+    sits before the decode-only mb 2, its plan gap before mb 3 (a prompt micro-batch), and the
+    engine had its newest result (mb 0's, at 21.2) 10.3 ms before submitting mb 3 at 31.5."""
+    submits = {0: (0, 512, 500), 1: (0, 512, 500), 2: (0, 40, 0), 3: (31.5, 512, 480)}
+    trace = _trace({0: [(0, 0, 10), (1, 10, 20), (2, 21, 30), (3, 32, 40)],
+                    1: [(0, 11, 21), (1, 21, 29), (2, 31, 40), (3, 40, 48)]},
+                   submits, recv_waits=[(1, 2, 1.0)], results={0: 21.2, 1: 31.6, 2: 40.2, 3: 48.2})
+    s0, s1 = pipeline_gaps.analyze(trace, pp=2, feedback=True)
+    ms = lambda x: pytest.approx(x / 1e3, abs=1e-9)  # noqa: E731
+    assert s0["idle_decode_only_fed_tokens_s"] == ms(1) and s0["idle_decode_only_plan_s"] == ms(0)
+    assert s1["idle_decode_only_previous_stage_s"] == ms(1) and s1["idle_decode_only_host_s"] == ms(1)
+    assert s0["num_plan_gaps"] == 1 and s0["plan_reaction_ms_p50"] == pytest.approx(10.3)
+    assert s1["num_plan_gaps"] == 0 and s1["plan_reaction_ms_p50"] is None
+    table = pipeline_gaps.format_idle_kinds([s0, s1])
+    assert "| stage 0 | 2.5% | 0.0% / 2.5% / 0.0% / 0.0% | 1, 10.30 / 10.30 |" in table
+    # no result instants (older traces): the plan gap is still counted, its reaction unknown
+    s0_old, _ = pipeline_gaps.analyze(_trace({0: [(0, 0, 10), (1, 10, 20), (2, 21, 30), (3, 32, 40)],
+                                              1: [(0, 11, 21), (1, 21, 29), (2, 31, 40), (3, 40, 48)]},
+                                             submits), pp=2, feedback=True)
+    assert s0_old["idle_plan_s"] == ms(2) and s0_old["num_plan_gaps"] == 1
+    assert s0_old["plan_reaction_ms_p50"] is None
 
 
 def test_fed_from_in_the_trace_and_the_later_arrival_ends_a_gap():
