@@ -50,6 +50,8 @@ import os
 import statistics
 from collections.abc import Sequence
 
+from pipeserve.runtime.metrics import percentile
+
 _EPS_S = 20e-6  # instants closer than this count as the same moment
 
 
@@ -153,13 +155,9 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             **{f"idle_decode_only_{k.replace(' ', '_')}_s": v for k, v in decode_idle.items()},
             "num_plan_gaps": num_plan_gaps,
             "plan_reaction_ms_p50": statistics.median(reactions) * 1e3 if reactions else None,
-            "plan_reaction_ms_p90": _quantile(reactions, 0.9) * 1e3 if reactions else None,
+            "plan_reaction_ms_p90": percentile(sorted(reactions), 90) * 1e3 if reactions else None,
         })
     return rows
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    return sorted(xs)[min(int(q * len(xs)), len(xs) - 1)]
 
 
 def _medians_ms(steps: list[int], durations: dict[int, float], tails: dict[int, float]):

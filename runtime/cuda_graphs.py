@@ -91,18 +91,17 @@ def bucket_for(size: int, buckets: list[int]) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class MixedShape:
-    """The static shapes of one mixed bucket: ``tokens`` rows, up to ``seqs`` sequences (the
+    """The static shapes of one mixed bucket of ``bucket`` tokens: up to ``seqs`` sequences (the
     step's, plus one of padding) and ``work`` attention work items. Its int32 buffer holds
     seq_lens [seqs], query_start [seqs + 1] and the work list [work, 2], in that order."""
 
-    tokens: int
     seqs: int
     work: int
 
     @classmethod
     def of(cls, bucket: int, *, max_seqs: int, g: int, block_m: int) -> MixedShape:
         seqs = min(max_seqs, bucket) + 1
-        return cls(bucket, seqs, work_list_size(bucket, seqs, g, block_m))
+        return cls(seqs, work_list_size(bucket, seqs, g, block_m))
 
     @property
     def num_ints(self) -> int:
@@ -169,19 +168,15 @@ def plan_graph_step(
     bucket = bucket_for(n, buckets)
     if bucket is None or any(q != 1 for q in step.query_lens):
         return None
-    width = max(max((len(t) for t in step.block_tables), default=1), 1)
-    if width > max_blocks_per_seq:
+    packed = pack_step(step, block_size=block_size)
+    if packed.block_tables.shape[1] > max_blocks_per_seq:
         return None
-    positions = np.asarray(step.start_positions, dtype=np.int64)
-    tables = np.zeros((n, width), dtype=np.int32)
-    for i, t in enumerate(step.block_tables):
-        tables[i, : len(t)] = t
-    slots = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size + positions % block_size
     seq_lens = np.zeros(bucket, dtype=np.int32)
-    seq_lens[:n] = positions + 1
+    seq_lens[:n] = packed.seq_lens
     return GraphStep(
         kind="decode", num_seqs=n, num_tokens=n, bucket=bucket,
-        tokens=_padded_tokens(bucket, step.token_ids, positions, slots), ints=seq_lens, block_tables=tables,
+        tokens=_padded_tokens(bucket, step.token_ids, packed.positions, packed.slot_mapping), ints=seq_lens,
+        block_tables=packed.block_tables.astype(np.int32),
         sample_rows=None if all(step.needs_sample) else step.sample_indices,
     )
 
