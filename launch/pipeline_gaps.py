@@ -35,7 +35,12 @@ and, for the gaps a plan ended, how long before the submit the engine had had it
 (the micro-batches' async slices end when it has them): a short time means the plan waited for
 that result (the in-flight window was full), a long one that the engine's own loop was slow.
 
-Given a run directory whose ``result.json`` holds the workers' host summaries, a third table
+A third table splits the decode-only micro-batches by how many decodes they carry: a micro-batch
+of one or two decodes means one to four requests were running, too few to fill the pipeline (a
+request decodes at most once per ``pp`` micro-batches), so its stages wait for each other by
+construction; the large ones show what a full pipeline of decodes loses per micro-batch.
+
+Given a run directory whose ``result.json`` holds the workers' host summaries, a fourth table
 gives each rank's host time per step from the forward's first launch to its last (eager and
 CUDA graph steps) and the caching allocator's retries (each one synchronizes the device).
 """
@@ -53,6 +58,19 @@ from collections.abc import Sequence
 from pipeserve.runtime.metrics import percentile
 
 _EPS_S = 20e-6  # instants closer than this count as the same moment
+DECODE_SIZES = ((1, 2), (3, 7), (8, 31), (32, None))
+"""Buckets of decode-only micro-batches by their decodes (inclusive bounds; None: no upper one)."""
+
+
+_SIZE_NAMES = [f"{lo}+" if hi is None else f"{lo}-{hi}" for lo, hi in DECODE_SIZES]
+_SIZE_ORDER = {name: i for i, name in enumerate(["0", *_SIZE_NAMES])}
+
+
+def _size_bucket(decodes: int) -> str:
+    for (lo, hi), name in zip(DECODE_SIZES, _SIZE_NAMES):
+        if decodes >= lo and (hi is None or decodes <= hi):
+            return name
+    return "0"
 
 
 def stage_lanes(events: list[dict]) -> dict[int, str]:
@@ -113,12 +131,20 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
         idle = {"previous stage": 0.0, "fed tokens": 0.0, "plan": 0.0, "host": 0.0}
         decode_idle = dict.fromkeys(idle, 0.0)  # the part of each before a decode-only micro-batch
         num_plan_gaps, reactions = 0, []  # plan gaps; the engine's time from its newest result to each submit
+        by_size: dict[str, list[float]] = {}  # decode-only size bucket -> [steps, busy s, idle before s]
+        for step in spans:
+            if step in submit and submit[step][2] == 0:
+                b = by_size.setdefault(_size_bucket(submit[step][1]), [0, 0.0, 0.0])
+                b[0] += 1
+                b[1] += spans[step][1] - spans[step][0]
         for prev, step in itertools.pairwise(steps):
             gap_start, start = spans[prev][1], spans[step][0]
             gap = start - gap_start
             if gap <= 0:
                 continue
             decode_only = step in submit and submit[step][2] == 0
+            if decode_only:
+                by_size[_size_bucket(submit[step][1])][2] += gap
             wait = min(recv[tid].get(step, 0.0), gap)
             idle["previous stage"] += wait
             decode_idle["previous stage"] += wait * decode_only
@@ -156,6 +182,8 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             "num_plan_gaps": num_plan_gaps,
             "plan_reaction_ms_p50": statistics.median(reactions) * 1e3 if reactions else None,
             "plan_reaction_ms_p90": percentile(sorted(reactions), 90) * 1e3 if reactions else None,
+            "decode_only_by_size": {k: {"num_steps": n, "busy_s": b, "idle_before_s": i}
+                                    for k, (n, b, i) in sorted(by_size.items(), key=lambda kv: _SIZE_ORDER[kv[0]])},
         })
     return rows
 
@@ -200,6 +228,21 @@ def format_idle_kinds(rows: Sequence[dict]) -> str:
         parts = " / ".join(pct(r[f"idle_decode_only_{c}_s"], w) for c in causes)
         lines.append(f"| {r['lane']} | {pct(total, w)} | {parts} | {r['num_plan_gaps']}, "
                      f"{ms(r['plan_reaction_ms_p50'])} / {ms(r['plan_reaction_ms_p90'])} |")
+    return "\n".join(lines)
+
+
+def format_decode_sizes(rows: Sequence[dict]) -> str:
+    """Decode-only micro-batches by their decodes: per lane and size, how many, their share of
+    the wall (compute + the idle before them), the idle's share of that, and the idle per step."""
+    lines = ["| lane | decodes | steps | share of wall | idle before them, of their share | idle per step ms |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        w = r["wall_s"]
+        for size, d in r["decode_only_by_size"].items():
+            span = d["busy_s"] + d["idle_before_s"]
+            lines.append(f"| {r['lane']} | {size} | {d['num_steps']} | {span / w:.1%} | "
+                         f"{d['idle_before_s'] / span:.1%} | {d['idle_before_s'] / d['num_steps'] * 1e3:.2f} |"
+                         if w > 0 and span > 0 else f"| {r['lane']} | {size} | {d['num_steps']} | - | - | - |")
     return "\n".join(lines)
 
 
@@ -248,6 +291,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error(str(e))
     print(format_rows(rows))
     print(format_idle_kinds(rows))
+    print(format_decode_sizes(rows))
     if host := format_host(stages):  # (runs from before the workers' host summaries have none)
         print(host)
 

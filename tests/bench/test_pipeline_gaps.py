@@ -144,3 +144,20 @@ def test_run_dir_prints_the_workers_host_summaries(tmp_path, capsys):
     assert "| stage 0 | 2 |" in out
     assert "| 0 (0) | 1, 12.50 / 20.25 | 1, 0.38 / - | 0 |" in out and "| 1 (1) |" not in out
     assert pipeline_gaps.format_host([{"rank": 1, "stage": 1}]) == ""
+
+
+def test_decode_only_micro_batches_by_size():
+    """Stage 0 runs two 2-decode micro-batches with a 5 ms wait before the second (one request
+    per micro-batch: the stages take turns) and two 40-decode ones, 0.5 ms apart."""
+    submits = {0: (0, 2, 0), 1: (0, 2, 0), 2: (0, 40, 0), 3: (0, 40, 0)}
+    trace = _trace({0: [(0, 0, 4), (1, 9, 13), (2, 13, 17), (3, 17.5, 21.5)],
+                    1: [(0, 4, 8), (1, 13, 17), (2, 17, 21), (3, 21.5, 25.5)]}, submits)
+    s0, _ = pipeline_gaps.analyze(trace, pp=2, feedback=True)
+    ms = lambda x: pytest.approx(x / 1e3, abs=1e-9)  # noqa: E731
+    small, large = s0["decode_only_by_size"]["1-2"], s0["decode_only_by_size"]["32+"]
+    assert small["num_steps"] == 2 and small["busy_s"] == ms(8) and small["idle_before_s"] == ms(5)
+    assert large["num_steps"] == 2 and large["busy_s"] == ms(8) and large["idle_before_s"] == ms(0.5)
+    assert list(s0["decode_only_by_size"]) == ["1-2", "32+"]  # sizes in order, empty ones left out
+    table = pipeline_gaps.format_decode_sizes([s0])
+    assert "| stage 0 | 1-2 | 2 | 60.5% | 38.5% | 2.50 |" in table
+    assert "| stage 0 | 32+ | 2 | 39.5% | 5.9% | 0.25 |" in table
