@@ -27,6 +27,12 @@ device-wide synchronization there (the caching allocator's) could wait for it fo
 same reason posting never allocates: each receive's buffer comes into being when its plan is
 taken, before that plan's hidden states are sent (a synchronization after the send would wait
 for the next stage, which may itself be waiting for this receive).
+
+With split sampling (``split_head.py``) a greedy decode step's message is the last stage's
+sampled rows and its partial argmax instead of the ids; posting that step's receives also
+queues the first stage's share of the head and the combination, and sends the ids back to the
+driver, which reports them to the engine. Both ends still issue one fixed sequence of messages
+per step, in step order.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pipeserve.parallel.split_head import SplitStep, partial_max, splits
 from pipeserve.parallel.wire import StepPlan
 from pipeserve.runtime.batch import host_to_device
 
@@ -65,8 +72,11 @@ class FeedbackSender:
     pp + 1 kept the oldest is long matched and the wait returns at once (on CUDA it only orders
     the stream)."""
 
-    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2) -> None:
-        self.group, self.dsts = group, dsts
+    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2,
+                 split: tuple[torch.Tensor, int] | None = None) -> None:
+        """``split``: split sampling's (this stage's rows [V0, V) of the LM head, V0)."""
+        self.group, self.dsts, self.split = group, dsts, split
+        self.num_split = 0  # split steps sent
         self.max_pending = max(self._MAX_PENDING, pp + 2)
         self._pending: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
         self._cuda = False
@@ -76,10 +86,30 @@ class FeedbackSender:
         A plan that samples nothing sends nothing (the first stage expects nothing of it)."""
         if token_ids.numel() == 0:
             return
-        token_ids = token_ids.contiguous()
-        self._cuda = token_ids.is_cuda
-        works = [dist.isend(token_ids, dst=d, group=self.group) for d in self.dsts]
-        self._pending.append((works, token_ids))  # the tensor lives until sent
+        self._send(token_ids)
+
+    def splits(self, plan: StepPlan) -> bool:
+        """Whether this step's sampling is split with the first stage (``split_head.splits``)."""
+        return self.split is not None and splits(plan)
+
+    def send_split(self, rows: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+        """A split step: sends the sampled rows ([N, H], final-normed) and this stage's partial
+        argmax to the first stage, and posts the receive of the ids it sends back. Returns
+        (the ids' buffer, that receive); on CUDA the receive is ordered after this stage's work
+        so far, and a stream must wait for it before reading the ids."""
+        weight, offset = self.split
+        rows = rows.clone()  # (may view a CUDA graph's output, which the next replay rewrites)
+        self._send(rows)
+        self._send(partial_max(rows, weight, offset))
+        token_ids = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
+        self.num_split += 1
+        return token_ids, dist.irecv(token_ids, src=self.dsts[0], group=self.group)
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        tensor = tensor.contiguous()
+        self._cuda = tensor.is_cuda
+        works = [dist.isend(tensor, dst=d, group=self.group) for d in self.dsts]
+        self._pending.append((works, tensor))  # the tensor lives until sent
         while self._pending and all(w.is_completed() for w in self._pending[0][0]):
             self._pending.popleft()
         while len(self._pending) > self.max_pending:
@@ -116,19 +146,25 @@ class FeedbackReceiver:
     nobody waited for it (gloo reports a receive completed only once waited for; the driver,
     at most the pipeline depth behind, sent it long ago, so the one wait returns at once)."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1) -> None:
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1,
+                 split_weight: torch.Tensor | None = None) -> None:
         """``post_lag``: plans queued after a sampling plan before its receive is posted
-        (``post_due``); pp − 1, so that the receive waits beside no compute."""
+        (``post_due``); pp − 1, so that the receive waits beside no compute. ``split_weight``:
+        split sampling's rows [0, V0) of the LM head ([V0, H], the model's dtype)."""
         if post_lag < 0:
             raise ValueError(f"post_lag must be >= 0, got {post_lag}")
         self.group, self.src, self.device, self.post_lag = group, src, device, post_lag
+        self.split_weight = split_weight
+        self.num_split = 0  # split steps combined
+        self._sends: deque[tuple[dist.Work, torch.Tensor]] = deque()  # split steps' ids, back to the driver
         self._last: dict[str, tuple[int, int]] = {}  # request -> (its newest sampling step, row)
-        # (step, its ids' buffer, plan index) not posted yet. The buffer is allocated when the plan
-        # is taken, before its hidden states are sent: an allocation may synchronize the device
-        # (the caching allocator freeing memory), which after that send would wait for the next
-        # stage to receive it, and the driver may itself be in such a wait for this receive.
-        self._expected: deque[tuple[int, torch.Tensor, int]] = deque()
-        self._received: dict[int, tuple[dist.Work, torch.Tensor]] = {}
+        # (step, its ids' buffer or a split step's buffers, plan index) not posted yet. Buffers
+        # are allocated when the plan is taken, before its hidden states are sent: an allocation
+        # may synchronize the device (the caching allocator freeing memory), which after that send
+        # would wait for the next stage to receive it, and the driver may itself be in such a
+        # wait for this receive.
+        self._expected: deque[tuple[int, torch.Tensor | SplitStep, int]] = deque()
+        self._received: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}  # None: a split step's own ids
         self._waited: set[int] = set()
         self._num_plans = 0
 
@@ -159,7 +195,11 @@ class FeedbackReceiver:
                 self._last[s.request_id] = (plan.step_id, num_sampled)
                 num_sampled += 1
         if num_sampled:
-            buffer = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+            if self.split_weight is not None and splits(plan):
+                w = self.split_weight
+                buffer = SplitStep(num_sampled, w.shape[1], w.shape[0], w.dtype, self.device)
+            else:
+                buffer = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
             self._expected.append((plan.step_id, buffer, self._num_plans))
         self._num_plans += 1
         if self._num_plans % self._PRUNE_EVERY == 0:
@@ -203,8 +243,28 @@ class FeedbackReceiver:
     def _receive_until(self, step_id: int) -> None:
         """Posts the receives of every sampling step up to ``step_id``, in order."""
         while self._expected and self._expected[0][0] <= step_id:
-            step, tokens, _ = self._expected.popleft()  # (no allocation here: see __init__)
-            self._received[step] = (dist.irecv(tokens, src=self.src, group=self.group), tokens)
+            step, buffer, _ = self._expected.popleft()  # (no allocation here: see __init__)
+            if isinstance(buffer, SplitStep):
+                self._received[step] = (None, self._combine(buffer))
+                self._waited.add(step)
+            else:
+                self._received[step] = (dist.irecv(buffer, src=self.src, group=self.group), buffer)
+
+    @torch.inference_mode()  # (the buffers are the worker's inference tensors; post() runs outside it)
+    def _combine(self, step: SplitStep) -> torch.Tensor:
+        """A split step: receives the driver's rows and partial, queues this stage's share of
+        the head and the combination (CUDA: on the stream, after what is queued), sends the ids
+        back to the driver; returns them."""
+        for work in [dist.irecv(t, src=self.src, group=self.group) for t in (step.rows, step.partial)]:
+            work.wait()  # CUDA: the stream waits; gloo: the host
+        token_ids = step.combine(self.split_weight)
+        self.num_split += 1
+        self._sends.append((dist.isend(token_ids, dst=self.src, group=self.group), token_ids))
+        while self._sends and self._sends[0][0].is_completed():
+            self._sends.popleft()
+        while len(self._sends) > FeedbackSender._MAX_PENDING:  # (matched long ago: returns at once)
+            self._sends.popleft()[0].wait()
+        return token_ids
 
     def _prune(self, newest: int) -> None:
         """Drops received ids that no request can be fed from any more."""
@@ -213,7 +273,7 @@ class FeedbackReceiver:
         for step, (work, _) in list(self._received.items()):
             if step in live:
                 continue
-            if not work.is_completed():
+            if work is not None and not work.is_completed():
                 if step > old:
                     continue
                 if step not in self._waited:  # (never twice)
@@ -227,6 +287,8 @@ class FeedbackReceiver:
         for step, (work, _) in self._received.items():
             if step not in self._waited:  # never twice: a gloo receive's second wait blocks
                 work.wait()
+        while self._sends:
+            self._sends.popleft()[0].wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._received.clear()

@@ -23,9 +23,9 @@ from typing import Any, Union
 
 import msgspec
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 """Bumped on every incompatible change of any message below (2: stage busy time on
-``Heartbeat``, cumulative stage counters in ``EngineStats``)."""
+``Heartbeat``, cumulative stage counters in ``EngineStats``; 3: ``PostFeedback``)."""
 
 ENGINE_RANK = -1
 """``Heartbeat.rank`` of heartbeats that the engine publishes to the workers."""
@@ -171,6 +171,15 @@ class Shutdown(_Message, frozen=True, kw_only=True):
     reason: str
 
 
+class PostFeedback(_Message, frozen=True, kw_only=True):
+    """Engine → workers: the engine waits for step ``step_id``'s result and no plan follows it,
+    so the first stage posts its held-back feedback receives now instead of after the next
+    plan (split sampling: that step's ids need the first stage's share of the LM head before
+    the driver can report them; ``parallel/split_head.py``). Other ranks ignore it."""
+
+    step_id: int
+
+
 class WorkerError(_Message, frozen=True, kw_only=True):
     """Worker → engine: this rank failed and is exiting."""
 
@@ -264,7 +273,7 @@ class EngineStats(_Message, frozen=True, kw_only=True):
 
 
 Message = Union[
-    Hello, Ready, StepPlan, StepResult, Heartbeat, Shutdown, WorkerError,
+    Hello, Ready, StepPlan, StepResult, Heartbeat, Shutdown, PostFeedback, WorkerError,
     AddRequest, AbortRequest, RequestUpdate,
 ]
 

@@ -41,6 +41,12 @@ class ParallelConfig:
     its CTAs until the ids arrive, beside the stage's own compute; the messages are a few hundred
     bytes. None = NCCL's default. (Its effect on stage time is not yet measured: BENCHMARKS.md,
     fifth session.)"""
+    split_lm_head: bool = True
+    """With token feedback and tp=1: in decode-only micro-batches of greedy requests the first
+    and the last stage share the LM head's vocabulary (half each) and combine their argmaxes,
+    so the last stage is not slower by the whole head on every decode step
+    (``parallel/split_head.py``). The first stage holds half the head's rows (none extra when
+    the head is tied to the embedding). Off in deterministic mode."""
     stage_layers: list[int] | None = None
     """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers)."""
     host: str | None = None
@@ -161,6 +167,13 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
+
+    @property
+    def split_sampling(self) -> bool:
+        """The LM head is shared by the first and the last stage (``ParallelConfig.split_lm_head``
+        in effect: token feedback, tp=1, not deterministic)."""
+        p = self.parallel
+        return p.split_lm_head and p.feedback and p.tp == 1 and not self.deterministic
 
     @property
     def effective_reduction_splits(self) -> int:

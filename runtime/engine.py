@@ -393,6 +393,7 @@ def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
     return DistributedExecutor(
         world_size=par.world_size, depth=par.depth, host=par.bind_host,
         liveness_timeout_s=par.liveness_timeout_s, launch=launch,
+        split_post_lag=par.pp - 1 if config.split_sampling else None,
     )
 
 

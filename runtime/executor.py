@@ -14,13 +14,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
+from pipeserve.parallel.split_head import splits
 from pipeserve.parallel.transport import EngineChannel, TransportConfig, TransportError
 from pipeserve.parallel.wire import (
     BlockTableDiffer,
+    PostFeedback,
     SamplingSpec,
     SeqPlan,
     Shutdown,
@@ -111,10 +114,16 @@ class DistributedExecutor:
     """
 
     def __init__(self, *, world_size: int, depth: int, host: str, liveness_timeout_s: float,
-                 launch, handshake_timeout_s: float = 600.0) -> None:
+                 launch, handshake_timeout_s: float = 600.0, split_post_lag: int | None = None) -> None:
         """`launch(plan_endpoint, result_endpoint)` starts the workers and returns a Popen
-        (or None when they are started by someone else, e.g. SPMD under torchrun)."""
+        (or None when they are started by someone else, e.g. SPMD under torchrun).
+        ``split_post_lag``: with split sampling, the plans the first stage takes after a step
+        before it posts that step's feedback (pp − 1); None without."""
         self.max_in_flight = depth
+        self._split_post_lag = split_post_lag
+        self._split_steps: set[int] = set()  # split steps in flight (split sampling)
+        self._submitted: deque[int] = deque()  # steps in flight, oldest first
+        self.num_feedback_posts = 0  # PostFeedback messages sent
         self.channel = EngineChannel(
             TransportConfig(host=host, liveness_timeout_s=liveness_timeout_s,
                             handshake_timeout_s=handshake_timeout_s),
@@ -139,8 +148,12 @@ class DistributedExecutor:
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
         seqs = [self._seq_plan(s, samples.get(s.request_id)) for s in plan.scheduled]
-        self.channel.send_plan(StepPlan(step_id=plan.step_id, seqs=seqs, freed=self._freed))
+        step = StepPlan(step_id=plan.step_id, seqs=seqs, freed=self._freed)
+        self.channel.send_plan(step)
         self._freed = []
+        self._submitted.append(plan.step_id)
+        if self._split_post_lag is not None and splits(step):
+            self._split_steps.add(plan.step_id)
 
     def _seq_plan(self, s, sample: SampleRequest | None) -> SeqPlan:
         start = s.num_computed_tokens
@@ -164,6 +177,18 @@ class DistributedExecutor:
         )
 
     def result(self, plan: SchedulerOutput) -> Sampled:
+        while self._submitted and self._submitted[0] < plan.step_id:  # (plans dropped by a failure)
+            self._split_steps.discard(self._submitted.popleft())
+        later = len(self._submitted) - 1  # plans submitted after this, the oldest in flight
+        if self._submitted:
+            self._submitted.popleft()
+        if plan.step_id in self._split_steps:
+            self._split_steps.discard(plan.step_id)
+            # Its ids need the first stage, which posts the step only after pp - 1 later plans:
+            # with fewer in flight (nothing else to run) it would wait its idle timeout first.
+            if later < self._split_post_lag:
+                self.channel.send_plan(PostFeedback(step_id=plan.step_id))
+                self.num_feedback_posts += 1
         while plan.step_id not in self._results:
             msg = self.channel.recv(timeout_s=0.5)
             if msg is None:

@@ -51,9 +51,11 @@ def load_model(
     end_layer: int | None = None,
     load_format: str = "auto",
     parallel: ParallelContext | None = None,
+    head_rows: int = 0,
 ) -> LoadedModel:
     """Layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
-    process), reading only that slice of the checkpoint."""
+    process), reading only that slice of the checkpoint; on a first stage, ``head_rows`` of
+    the LM head too (split sampling, ``parallel/split_head.py``)."""
     path = resolve_model_path(model)
     shard = {
         "dtype": dtype,
@@ -61,6 +63,7 @@ def load_model(
         "start_layer": start_layer,
         "end_layer": end_layer,
         "parallel": parallel,
+        "head_rows": head_rows,
     }
     if load_format == "dummy":
         return _load_dummy(path, **shard)

@@ -38,7 +38,9 @@ from pipeserve.parallel.tp_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    check_shape,
     default_weight_loader,
+    read_rows,
     shard_heads,
 )
 from pipeserve.runtime.model_config import ModelConfig
@@ -231,11 +233,28 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, ops), residual
 
 
+class HeadRows(nn.Module):
+    """LM head rows [0, rows) of a ``vocab_size``-row head (the first stage's share, split
+    sampling); loads its rows of ``lm_head.weight`` (or of the embedding, when the checkpoint
+    has no head)."""
+
+    def __init__(self, rows: int, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.vocab_size = vocab_size
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
+        check_shape(loaded, (self.vocab_size, param.shape[1]))
+        param.data.copy_(read_rows(loaded, range(param.shape[0])))
+
+
 class LlamaForCausalLM(nn.Module):
     """Decoder layers [start_layer, end_layer) of a Llama-family model (one pipeline stage).
 
     Holds ``embed_tokens`` only when start_layer == 0 and ``norm`` + ``lm_head`` only when
     end_layer == num_hidden_layers; ``layers[j]`` is global layer ``start_layer + j``.
+    ``head_rows`` > 0 gives a first stage that is not also the last the LM head's vocab rows
+    [0, head_rows) (``head_share_weight``; split sampling, ``parallel/split_head.py``).
     ``parallel`` (default: one process) gives the TP rank whose shard of every layer this
     module holds; ``num_local_kv_heads`` is the KV heads per layer on this rank, the head count
     of its KV cache. ``ops`` (``pipeserve.kernels``; default the torch references, replaced
@@ -249,6 +268,7 @@ class LlamaForCausalLM(nn.Module):
         start_layer: int = 0,
         end_layer: int | None = None,
         parallel: ParallelContext | None = None,
+        head_rows: int = 0,
     ) -> None:
         super().__init__()
         num_layers = config.num_hidden_layers
@@ -283,6 +303,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel)
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
+        self.head_share = None  # the first stage's LM head rows when not tied to its embedding
+        self.head_rows = 0
+        if head_rows > 0 and self.embed_tokens is not None and self.lm_head is None:
+            if parallel.tp_size != 1 or not 0 < head_rows < config.vocab_size:
+                raise ValueError(f"a head share needs tp=1 and 0 < head_rows < {config.vocab_size}, got "
+                                 f"tp={parallel.tp_size}, head_rows={head_rows}")
+            self.head_rows = head_rows
+            if not config.tie_word_embeddings:
+                self.head_share = HeadRows(head_rows, config.vocab_size, config.hidden_size)
 
     def forward(
         self,
@@ -332,6 +361,14 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(module, "set_numerics"):
                 module.set_numerics(numerics)
 
+    @property
+    def head_share_weight(self) -> torch.Tensor | None:
+        """[head_rows, H]: the first stage's rows of the LM head (a view of the embedding when
+        tied); None without a share."""
+        if not self.head_rows:
+            return None
+        return self.embed_tokens.weight[: self.head_rows] if self.head_share is None else self.head_share.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,
         on every TP rank (last stage only; with TP > 1 a collective: all TP ranks call it)."""
@@ -362,7 +399,7 @@ class LlamaForCausalLM(nn.Module):
                     and self._head_reads_embedding()
                     and "lm_head.weight" not in loaded
                 ):
-                    self._load_param("lm_head.weight", None, tensor, hf_name, errors)
+                    self._load_param(self._target("lm_head.weight")[0], None, tensor, hf_name, errors)
                     loaded.add("lm_head.weight")
                 target = self._target(hf_name)
                 if target is None:
@@ -389,6 +426,8 @@ class LlamaForCausalLM(nn.Module):
             names.add("model.norm.weight")
             if self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight:
                 names.add("lm_head.weight")
+        if self.head_share is not None:
+            names.add("lm_head.weight")
         for i in range(self.start_layer, self.end_layer):
             prefix = f"model.layers.{i}."
             names |= {
@@ -404,14 +443,17 @@ class LlamaForCausalLM(nn.Module):
 
     def _head_reads_embedding(self) -> bool:
         """The embedding is copied into a separate lm_head (tied across stages, or a
-        checkpoint without lm_head.weight: a later lm_head.weight overwrites it)."""
+        checkpoint without lm_head.weight: a later lm_head.weight overwrites it); also the
+        first stage's head share."""
         if self.lm_head is None:
-            return False
+            return self.head_share is not None
         return self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight
 
     def _target(self, hf_name: str) -> tuple[str, Any] | None:
         """(our parameter name, its part of a fused projection or None) for an HF name; None
         when this stage does not hold it. Unknown names map to a name absent from the module."""
+        if hf_name == "lm_head.weight" and self.head_share is not None:
+            return "head_share.weight", None
         if hf_name == "lm_head.weight" or hf_name.startswith("model.norm."):
             return None if self.lm_head is None else (hf_name.removeprefix("model."), None)
         if hf_name.startswith("model.embed_tokens."):

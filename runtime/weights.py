@@ -54,6 +54,7 @@ def load_hf_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
+    head_rows: int = 0,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
     process) directly on ``device`` in ``dtype``, and read just those weights into it."""
@@ -68,6 +69,7 @@ def load_hf_model(
         start_layer=start_layer,
         end_layer=end_layer,
         parallel=parallel,
+        head_rows=head_rows,
     )
     model.load_weights(iter_safetensors_slices(folder))
     return model, config
@@ -81,17 +83,19 @@ def build_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
+    head_rows: int = 0,
 ) -> LlamaForCausalLM:
     """An inference-mode model (no grads, eval) born on ``device`` in ``dtype``, with
     PyTorch's default init; load_weights (or a benchmark's random fill) comes next. The
     global default dtype is restored afterwards; the RoPE tables stay float32. ``parallel``
-    picks the TP shard (default: one process, the whole layers)."""
+    picks the TP shard (default: one process, the whole layers); ``head_rows`` gives a first
+    stage its share of the LM head (split sampling)."""
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = LlamaForCausalLM(
-                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel
+                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel, head_rows=head_rows
             )
     finally:
         torch.set_default_dtype(previous_dtype)

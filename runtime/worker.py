@@ -26,9 +26,10 @@ import torch.distributed as dist
 
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, stage_ranks
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
+from pipeserve.parallel.split_head import split_rows
 from pipeserve.parallel.stage_plan import default_costs, plan_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
-from pipeserve.parallel.wire import BlockTableMirror, Shutdown, StepPlan, StepResult, WorkerError
+from pipeserve.parallel.wire import BlockTableMirror, PostFeedback, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime.batch import ModelInputs, StepInputs, to_tensors
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.cuda_graphs import GraphStep, capture_cuda_graphs
@@ -61,8 +62,12 @@ class Worker:
         self.dtype = config.torch_dtype(device)
         model_config, _, _ = read_config_and_tokenizer(config.model)
         start, end = stage_layers(model_config, ctx.pp_size, config.parallel.stage_layers)[ctx.stage]
+        # Split sampling (parallel/split_head.py): the first stage holds the head's rows [0, V0).
+        split = config.split_sampling and ctx.feedback_group is not None
+        head_rows = split_rows(model_config.vocab_size) if split else 0
         loaded = load_model(config.model, dtype=self.dtype, device=device, start_layer=start,
-                            end_layer=end, load_format=config.load_format, parallel=ctx)
+                            end_layer=end, load_format=config.load_format, parallel=ctx,
+                            head_rows=head_rows if ctx.is_first_stage else 0)
         self.model, self.model_config = loaded.model, loaded.config
         set_kernels(self.model, config, device)
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
@@ -93,9 +98,14 @@ class Worker:
             first = stage_ranks(0, ctx.tp_size)
             warm_up(group, src=ctx.driver_rank, dsts=first, rank=ctx.rank, device=device)
             if ctx.is_driver:
-                self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size)
+                head = (self.model.lm_head.weight[head_rows:], head_rows) if split else None
+                self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size, split=head)
             else:
-                self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1)
+                self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1,
+                                                          split_weight=self.model.head_share_weight)
+        # A split step's ids come back from the first stage: a side stream waits for them, so
+        # that this stage's next micro-batch does not.
+        self._result_stream = torch.cuda.Stream(device) if split and device.type == "cuda" else None
 
     def _agree_on_kv_blocks(self) -> int:
         """Every stage holds the same number of blocks: the fewest any rank can afford."""
@@ -146,7 +156,11 @@ class Worker:
             if self.feedback_receiver is not None:
                 self.feedback_receiver.post_due()  # sampled ids due, from the driver (feedback.py)
             return None
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        rows = hidden[inputs.sample_indices]
+        sender = self.feedback_sender
+        if sender is not None and sender.splits(plan):
+            return self._sample_split(plan, rows, time.perf_counter() - t0)  # (ends the busy span)
+        logits = self.model.compute_logits(rows)
         if not self.ctx.is_driver:
             self.busy.end(plan.step_id)
             return None
@@ -212,6 +226,19 @@ class Worker:
         return StepResult(step_id=plan.step_id, request_ids=[s.request_id for s in seqs],
                           token_ids=out.token_ids.tolist(), logprobs=logprobs, stage_times=[seconds])
 
+    def _sample_split(self, plan: StepPlan, rows: torch.Tensor, seconds: float) -> StepResult | _PendingResult:
+        """A split step (parallel/split_head.py): this stage's share of the head goes to the first
+        stage, whose combined ids come back; on CUDA nothing here waits for them."""
+        token_ids, arrival = self.feedback_sender.send_split(rows)
+        self.busy.end(plan.step_id)  # this stage's work on the step is queued
+        request_ids = [s.request_id for s in plan.seqs if s.needs_sample]
+        if self._result_stream is not None:
+            return _PendingResult(plan.step_id, request_ids, token_ids, seconds, after=arrival,
+                                  stream=self._result_stream)
+        arrival.wait()
+        return StepResult(step_id=plan.step_id, request_ids=request_ids, token_ids=token_ids.tolist(),
+                          stage_times=[seconds])
+
     def _params_of(self, seq):
         cached = self._params.get(seq.request_id)
         if cached is None or cached[0] != seq.sampling:
@@ -227,8 +254,10 @@ class Worker:
     def _write_stage_timeline(self, out_dir: str) -> None:
         """Benchmarks: this rank's per-step timeline as JSON, read by the bench after shutdown."""
         os.makedirs(out_dir, exist_ok=True)
+        split = [end.num_split for end in (self.feedback_sender, self.feedback_receiver) if end is not None]
         data = dict(rank=self.ctx.rank, stage=self.ctx.stage, tp_rank=self.ctx.tp_rank,
-                    num_layers=self.num_layers, spans=self.busy.timeline(), host=self.busy.host_summary())
+                    num_layers=self.num_layers, spans=self.busy.timeline(),
+                    host={**self.busy.host_summary(), "split_steps": sum(split)})
         with open(os.path.join(out_dir, f"stage_rank{self.ctx.rank}.json"), "w") as f:
             json.dump(data, f)
 
@@ -256,6 +285,10 @@ class Worker:
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
                 self.busy.poll()  # idle: the last steps' busy time reaches the heartbeat
+                continue
+            if isinstance(msg, PostFeedback):
+                if receiver is not None:
+                    receiver.post()  # the engine waits for a split step's ids (wire.PostFeedback)
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
                 while pending:
@@ -295,12 +328,19 @@ def _write_profile(profiler: cProfile.Profile, folder: str, rank: int, top: int 
 class _PendingResult:
     """A step's sampled ids on their way to pinned host memory (the driver, token feedback)."""
 
-    def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float) -> None:
+    def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float, *,
+                 after: dist.Work | None = None, stream: torch.cuda.Stream | None = None) -> None:
+        """``after``: a receive the ids come in by; ``stream``: where the copy waits for it
+        (default the current stream)."""
         self.step_id, self.request_ids, self.seconds = step_id, request_ids, seconds
         self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        self.host.copy_(token_ids, non_blocking=True)
         self.event = torch.cuda.Event()
-        self.event.record()
+        self.token_ids = token_ids  # alive until copied (it may live on another stream)
+        with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream()):
+            if after is not None:
+                after.wait()
+            self.host.copy_(token_ids, non_blocking=True)
+            self.event.record()
 
     def ready(self) -> bool:
         return self.event.query()

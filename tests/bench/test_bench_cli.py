@@ -81,6 +81,9 @@ def test_pp2_result_json_is_sane(pp2_run):
         host = s["host"]
         assert host["graph"]["n"] == 0 and host["eager"]["n"] >= len(steps)  # (warm-up steps too)
         assert 0 < host["eager"]["launch_ms_p50"] <= host["eager"]["launch_ms_p90"]
+    # Greedy decode-only steps split the LM head between the stages (parallel/split_head.py):
+    # the driver sent as many as the first stage combined.
+    assert stages[0]["host"]["split_steps"] == stages[1]["host"]["split_steps"] > 0
     assert r["efficiency"]["prefill_tflops"] > 0 and r["efficiency"]["prefill_mfu"] is None  # no CPU peak
     assert r["num_decode_stalls"] == 0
 
