@@ -37,6 +37,7 @@ per step, in step order.
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 
 import numpy as np
@@ -125,6 +126,22 @@ class FeedbackSender:
             torch.cuda.synchronize()
 
 
+class _Combined:
+    """A split step's ids (``FeedbackReceiver._combine``), waited for like a receive: on CUDA
+    the compute stream waits for the combining stream's event; the step's buffers live as long
+    as this (the stream may still use them)."""
+
+    def __init__(self, done: torch.cuda.Event | None, buffers: SplitStep) -> None:
+        self.done, self.buffers = done, buffers
+
+    def wait(self) -> None:
+        if self.done is not None:
+            torch.cuda.current_stream().wait_event(self.done)
+
+    def is_completed(self) -> bool:
+        return self.done is None or self.done.query()
+
+
 class FeedPatch:
     """A plan's fed decode tokens: rows of its packed input ids ← entries of received tensors."""
 
@@ -164,7 +181,10 @@ class FeedbackReceiver:
         # would wait for the next stage to receive it, and the driver may itself be in such a
         # wait for this receive.
         self._expected: deque[tuple[int, torch.Tensor | SplitStep, int]] = deque()
-        self._received: dict[int, tuple[dist.Work | None, torch.Tensor]] = {}  # None: a split step's own ids
+        self._received: dict[int, tuple[dist.Work | _Combined, torch.Tensor]] = {}
+        # Split steps combine on a stream of their own (CUDA): posting one, which waits for the
+        # driver's rows, then never holds back a forward queued after it on the compute stream.
+        self._stream = torch.cuda.Stream(device) if split_weight is not None and device.type == "cuda" else None
         self._waited: set[int] = set()
         self._num_plans = 0
 
@@ -211,6 +231,13 @@ class FeedbackReceiver:
         """Whether some sampling plan's receive is not posted yet."""
         return bool(self._expected)
 
+    @property
+    def unposted_split_only(self) -> bool:
+        """Whether every receive not posted yet is a split step's. Posting one while idle is
+        only a safety net (the engine asks with ``PostFeedback`` when it waits for one): done
+        early, its receives would wait beside the next plan's forward."""
+        return all(isinstance(buffer, SplitStep) for _, buffer, _ in self._expected)
+
     def post_due(self) -> None:
         """Posts the receives that are due: those of sampling plans taken ``post_lag`` or more
         plans ago. Call after each plan's forward and hidden-state send are queued, so that
@@ -245,26 +272,39 @@ class FeedbackReceiver:
         while self._expected and self._expected[0][0] <= step_id:
             step, buffer, _ = self._expected.popleft()  # (no allocation here: see __init__)
             if isinstance(buffer, SplitStep):
-                self._received[step] = (None, self._combine(buffer))
-                self._waited.add(step)
+                self._received[step] = (self._combine(buffer), buffer.token_ids)
             else:
                 self._received[step] = (dist.irecv(buffer, src=self.src, group=self.group), buffer)
 
     @torch.inference_mode()  # (the buffers are the worker's inference tensors; post() runs outside it)
-    def _combine(self, step: SplitStep) -> torch.Tensor:
+    def _combine(self, step: SplitStep) -> _Combined:
         """A split step: receives the driver's rows and partial, queues this stage's share of
-        the head and the combination (CUDA: on the stream, after what is queued), sends the ids
-        back to the driver; returns them."""
-        for work in [dist.irecv(t, src=self.src, group=self.group) for t in (step.rows, step.partial)]:
-            work.wait()  # CUDA: the stream waits; gloo: the host
-        token_ids = step.combine(self.split_weight)
+        the head and the combination, sends the ids back to the driver. On CUDA all of it runs
+        on this receiver's stream, after the compute stream's work queued so far (so that the
+        receives wait beside no compute); the compute stream waits for it only where a plan is
+        fed from the step (``_patch``). On gloo it is done on return."""
+        stream = self._stream
+        queued = None
+        if stream is not None:
+            queued = torch.cuda.Event()
+            queued.record()  # (on the compute stream)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            if queued is not None:
+                stream.wait_event(queued)
+            for work in [dist.irecv(t, src=self.src, group=self.group) for t in (step.rows, step.partial)]:
+                work.wait()  # CUDA: this stream waits; gloo: the host
+            token_ids = step.combine(self.split_weight)
+            self._sends.append((dist.isend(token_ids, dst=self.src, group=self.group), token_ids))
+            done = None
+            if stream is not None:
+                done = torch.cuda.Event()
+                done.record()
         self.num_split += 1
-        self._sends.append((dist.isend(token_ids, dst=self.src, group=self.group), token_ids))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
         while len(self._sends) > FeedbackSender._MAX_PENDING:  # (matched long ago: returns at once)
             self._sends.popleft()[0].wait()
-        return token_ids
+        return _Combined(done, step)
 
     def _prune(self, newest: int) -> None:
         """Drops received ids that no request can be fed from any more."""
@@ -273,7 +313,7 @@ class FeedbackReceiver:
         for step, (work, _) in list(self._received.items()):
             if step in live:
                 continue
-            if work is not None and not work.is_completed():
+            if not work.is_completed():
                 if step > old:
                     continue
                 if step not in self._waited:  # (never twice)

@@ -46,6 +46,9 @@ cProfile slows the host."""
 _IDLE_POST_S = 0.005
 """A first-stage rank that has waited this long for a plan posts its feedback receives still
 held back (parallel/feedback.py): sooner would put them beside the next plan's compute."""
+_IDLE_POST_SPLIT_S = 0.05
+"""The same when only split steps' receives are held back: the engine asks for those when it
+waits for one (``PostFeedback``), so this is a safety net, longer than the host's usual lead."""
 
 
 def stage_layers(config, num_stages: int, override: list[int] | None) -> list[tuple[int, int]]:
@@ -274,7 +277,7 @@ class Worker:
         while True:
             timeout = 0.0 if pending else 1.0
             if receiver is not None and receiver.unposted:
-                timeout = min(timeout, _IDLE_POST_S)
+                timeout = min(timeout, _IDLE_POST_SPLIT_S if receiver.unposted_split_only else _IDLE_POST_S)
             msg = channel.recv_plan(timeout_s=timeout)
             if msg is None:
                 if receiver is not None and receiver.unposted:
