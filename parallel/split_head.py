@@ -15,6 +15,15 @@ instead, as in vocabulary parallelism for pipelines (Yeung et al., 2024):
 - it sends the ids back to the last stage, whose driver reports them to the engine as usual.
 
 Every rank decides from the plan alone whether a step is split (``splits``), so no flag travels.
+The first stage combines on a CUDA stream of its own, so a combine (which waits for the last
+stage's step) never holds back a forward queued after it; when the engine waits for a split
+step with nothing after it, it asks the first stage to post at once (``wire.PostFeedback``).
+
+What it buys is small: in steady decoding the group round trip loses half the head (≈ 0.08 ms
+of a 4.7 ms step at Llama-3-8B's 16 layers with a 50k vocabulary) and gains the combine's
+chain (rows → the first stage's half → ids, ≈ 0.18 ms after the last stage's step, measured).
+On 2 × H100 it gave 8.5%/8.1% bubbles, within the spread of other calls without it; off by
+default until a same-call comparison shows a gain (BENCHMARKS.md, eighth session).
 Steps that carry prompt tokens, sample randomly, or ask for logprobs or ``min_tokens`` keep the
 last stage's full head. Off in deterministic mode (a split changes the head's product shapes),
 with tensor parallelism (each stage would need its TP ranks' shards combined) and without

@@ -41,12 +41,15 @@ class ParallelConfig:
     its CTAs until the ids arrive, beside the stage's own compute; the messages are a few hundred
     bytes. None = NCCL's default. (Its effect on stage time is not yet measured: BENCHMARKS.md,
     fifth session.)"""
-    split_lm_head: bool = True
+    split_lm_head: bool = False
     """With token feedback and tp=1: in decode-only micro-batches of greedy requests the first
     and the last stage share the LM head's vocabulary (half each) and combine their argmaxes,
     so the last stage is not slower by the whole head on every decode step
     (``parallel/split_head.py``). The first stage holds half the head's rows (none extra when
-    the head is tied to the embedding). Off in deterministic mode."""
+    the head is tied to the embedding). Never in deterministic mode. Off by default: at pp=2 on
+    2 × H100 (Llama-3-8B shape, a 50k vocabulary) it gave 8.5%/8.1% bubbles against 8.3–8.9% /
+    6.5–7.3% without it in other calls, within the calls' spread (BENCHMARKS.md, eighth
+    session); a same-call comparison is still to be made."""
     stage_layers: list[int] | None = None
     """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers)."""
     host: str | None = None

@@ -42,7 +42,8 @@ def pp2_run(tiny_model, tmp_path_factory):
         "bench", f"model.path={tiny_model}", "engine.device=cpu", "engine.num_kv_blocks=256",
         "parallel.pp=2", "workload=azure_conv", "workload.num_requests=12", "workload.time_scale=0.2",
         "workload.max_prompt_len=96", "workload.max_output_len=12", "scheduler.max_num_batched_tokens=64",
-        "bench.warmup_requests=1", f"hydra.run.dir={out}", env={PROFILE_ENV: str(out / "profiles")},
+        "bench.warmup_requests=1", "parallel.split_lm_head=true", f"hydra.run.dir={out}",
+        env={PROFILE_ENV: str(out / "profiles")},
     )
     return out, proc, json.loads((out / "result.json").read_text())
 
@@ -81,8 +82,8 @@ def test_pp2_result_json_is_sane(pp2_run):
         host = s["host"]
         assert host["graph"]["n"] == 0 and host["eager"]["n"] >= len(steps)  # (warm-up steps too)
         assert 0 < host["eager"]["launch_ms_p50"] <= host["eager"]["launch_ms_p90"]
-    # Greedy decode-only steps split the LM head between the stages (parallel/split_head.py):
-    # the driver sent as many as the first stage combined.
+    # With split sampling on, greedy decode-only steps split the LM head between the stages
+    # (parallel/split_head.py): the driver sent as many as the first stage combined.
     assert stages[0]["host"]["split_steps"] == stages[1]["host"]["split_steps"] > 0
     assert r["efficiency"]["prefill_tflops"] > 0 and r["efficiency"]["prefill_mfu"] is None  # no CPU peak
     assert r["num_decode_stalls"] == 0

@@ -56,8 +56,8 @@ def test_split_sampling_matches_one_process(tmp_path, device):
     model = write_tiny_model(tmp_path / "tiny")  # untied: the first stage loads half of lm_head.weight
     one = _run(model, device)
     assert [len(tokens) for tokens, _ in one] == [12] * 4 + [5] * 3
-    assert _run(model, device, pp=2) == one
-    assert _run(model, device, pp=2, split_lm_head=False) == one
+    assert _run(model, device, pp=2, split_lm_head=True) == one
+    assert _run(model, device, pp=2) == one  # (off by default)
 
 
 def test_a_lone_request_does_not_wait_for_the_first_stage_to_idle(tmp_path):
@@ -69,7 +69,7 @@ def test_a_lone_request_does_not_wait_for_the_first_stage_to_idle(tmp_path):
     prompt = "t5 t9 t11 t40 t7"
     with LLM.from_config(_config(model)) as llm:
         want = llm.generate([prompt], params)[0].outputs[0].token_ids
-    with LLM.from_config(_config(model, pp=2)) as llm:
+    with LLM.from_config(_config(model, pp=2, split_lm_head=True)) as llm:
         got = llm.generate([prompt], params)[0].outputs[0].token_ids
         posts = llm.engine.executor.num_feedback_posts
     assert got == want and len(got) == 16
