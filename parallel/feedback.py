@@ -11,8 +11,9 @@ device. The engine's round trip then runs beside the pipeline instead of stallin
 
 Both ends know each message's length from the plans (every rank sees every plan), so only the
 ids travel: one message per micro-batch that samples, in step order, on a communicator of their
-own (``ParallelContext.feedback_group``) so they never queue behind the hidden states. On CUDA
-nothing here blocks the host: the receive is ordered before the embedding on the stream.
+own (``ParallelContext.feedback_group``) so they never queue behind the hidden states (with
+split sampling, below, a split step's messages differ). On CUDA nothing here blocks the host:
+the receive is ordered before the embedding on the stream.
 
 When a receive is posted matters on CUDA. An NCCL receive is a kernel that holds SMs until its
 data arrive, and it starts once the compute stream's work queued before the call is done.
@@ -78,7 +79,8 @@ class FeedbackSender:
         """``split``: split sampling's (this stage's rows [V0, V) of the LM head, V0)."""
         self.group, self.dsts, self.split = group, dsts, split
         self.num_split = 0  # split steps sent
-        self.max_pending = max(self._MAX_PENDING, pp + 2)
+        # (a split step sends two messages: the bound counts steps, not messages)
+        self.max_pending = max(self._MAX_PENDING, pp + 2) * (2 if split is not None else 1)
         self._pending: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
         self._cuda = False
 
@@ -128,11 +130,10 @@ class FeedbackSender:
 
 class _Combined:
     """A split step's ids (``FeedbackReceiver._combine``), waited for like a receive: on CUDA
-    the compute stream waits for the combining stream's event; the step's buffers live as long
-    as this (the stream may still use them)."""
+    the compute stream waits for the combining stream's event (None: done on return)."""
 
-    def __init__(self, done: torch.cuda.Event | None, buffers: SplitStep) -> None:
-        self.done, self.buffers = done, buffers
+    def __init__(self, done: torch.cuda.Event | None) -> None:
+        self.done = done
 
     def wait(self) -> None:
         if self.done is not None:
@@ -184,7 +185,16 @@ class FeedbackReceiver:
         self._received: dict[int, tuple[dist.Work | _Combined, torch.Tensor]] = {}
         # Split steps combine on a stream of their own (CUDA): posting one, which waits for the
         # driver's rows, then never holds back a forward queued after it on the compute stream.
+        # Their scratch buffers live until that stream is done with them (``_combining``).
         self._stream = torch.cuda.Stream(device) if split_weight is not None and device.type == "cuda" else None
+        self._combining: deque[tuple[torch.cuda.Event, SplitStep]] = deque()
+        if self._stream is not None:  # the combination's first scratch, before any send is pending
+            with torch.inference_mode(), torch.cuda.stream(self._stream):
+                warm = SplitStep(8, split_weight.shape[1], split_weight.shape[0], split_weight.dtype, device)
+                warm.rows.zero_()
+                warm.partial.zero_()
+                warm.combine(split_weight)
+            self._stream.synchronize()
         self._waited: set[int] = set()
         self._num_plans = 0
 
@@ -273,6 +283,8 @@ class FeedbackReceiver:
             step, buffer, _ = self._expected.popleft()  # (no allocation here: see __init__)
             if isinstance(buffer, SplitStep):
                 self._received[step] = (self._combine(buffer), buffer.token_ids)
+                while self._combining and self._combining[0][0].query():
+                    self._combining.popleft()
             else:
                 self._received[step] = (dist.irecv(buffer, src=self.src, group=self.group), buffer)
 
@@ -299,12 +311,13 @@ class FeedbackReceiver:
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record()
+                self._combining.append((done, step))
         self.num_split += 1
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
         while len(self._sends) > FeedbackSender._MAX_PENDING:  # (matched long ago: returns at once)
             self._sends.popleft()[0].wait()
-        return _Combined(done, step)
+        return _Combined(done)
 
     def _prune(self, newest: int) -> None:
         """Drops received ids that no request can be fed from any more."""
@@ -331,4 +344,5 @@ class FeedbackReceiver:
             self._sends.popleft()[0].wait()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self._combining.clear()
         self._received.clear()

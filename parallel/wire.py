@@ -172,10 +172,11 @@ class Shutdown(_Message, frozen=True, kw_only=True):
 
 
 class PostFeedback(_Message, frozen=True, kw_only=True):
-    """Engine → workers: the engine waits for step ``step_id``'s result and no plan follows it,
-    so the first stage posts its held-back feedback receives now instead of after the next
-    plan (split sampling: that step's ids need the first stage's share of the LM head before
-    the driver can report them; ``parallel/split_head.py``). Other ranks ignore it."""
+    """Engine → workers: the engine waits for step ``step_id``'s result and fewer than pp − 1
+    plans follow it, so the first stage posts its held-back feedback receives now instead of
+    after the plans it would wait for (split sampling: that step's ids need the first stage's
+    share of the LM head before the driver can report them; ``parallel/split_head.py``). Other
+    ranks ignore it."""
 
     step_id: int
 

@@ -303,15 +303,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel)
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        self.head_share = None  # the first stage's LM head rows when not tied to its embedding
-        self.head_rows = 0
+        # The first stage's LM head rows (split sampling). Loaded by the last stage's rule
+        # (lm_head.weight, else the embedding), tied or not, so the two halves are one head.
+        self.head_share = None
         if head_rows > 0 and self.embed_tokens is not None and self.lm_head is None:
             if parallel.tp_size != 1 or not 0 < head_rows < config.vocab_size:
                 raise ValueError(f"a head share needs tp=1 and 0 < head_rows < {config.vocab_size}, got "
                                  f"tp={parallel.tp_size}, head_rows={head_rows}")
-            self.head_rows = head_rows
-            if not config.tie_word_embeddings:
-                self.head_share = HeadRows(head_rows, config.vocab_size, config.hidden_size)
+            self.head_share = HeadRows(head_rows, config.vocab_size, config.hidden_size)
 
     def forward(
         self,
@@ -363,11 +362,8 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def head_share_weight(self) -> torch.Tensor | None:
-        """[head_rows, H]: the first stage's rows of the LM head (a view of the embedding when
-        tied); None without a share."""
-        if not self.head_rows:
-            return None
-        return self.embed_tokens.weight[: self.head_rows] if self.head_share is None else self.head_share.weight
+        """[head_rows, H]: the first stage's rows of the LM head; None without a share."""
+        return None if self.head_share is None else self.head_share.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,

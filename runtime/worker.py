@@ -46,6 +46,9 @@ cProfile slows the host."""
 _IDLE_POST_S = 0.005
 """A first-stage rank that has waited this long for a plan posts its feedback receives still
 held back (parallel/feedback.py): sooner would put them beside the next plan's compute."""
+_REMOTE_RESULT_POLL_S = 0.0001
+"""How often the driver looks for a split step's ids while it has no plan to run: they come back
+from the first stage, so waiting for them would keep a plan that arrives meanwhile waiting."""
 _IDLE_POST_SPLIT_S = 0.05
 """The same when only split steps' receives are held back: the engine asks for those when it
 waits for one (``PostFeedback``), so this is a safety net, longer than the host's usual lead."""
@@ -275,14 +278,16 @@ class Worker:
         profile_dir = os.environ.get(PROFILE_ENV)
         profiler = cProfile.Profile() if profile_dir else None
         while True:
-            timeout = 0.0 if pending else 1.0
+            timeout = 1.0
+            if pending:  # (a split step's ids come back from the first stage: poll, do not block)
+                timeout = _REMOTE_RESULT_POLL_S if _awaits_remote(pending[0]) else 0.0
             if receiver is not None and receiver.unposted:
                 timeout = min(timeout, _IDLE_POST_SPLIT_S if receiver.unposted_split_only else _IDLE_POST_S)
             msg = channel.recv_plan(timeout_s=timeout)
             if msg is None:
                 if receiver is not None and receiver.unposted:
                     receiver.post()  # no plan to wait beside any more (feedback.py)
-                if pending:
+                if pending and not _awaits_remote(pending[0]):
                     channel.send(_arrived(pending.popleft()))
                     continue
                 if not channel.engine_alive():
@@ -336,6 +341,7 @@ class _PendingResult:
         """``after``: a receive the ids come in by; ``stream``: where the copy waits for it
         (default the current stream)."""
         self.step_id, self.request_ids, self.seconds = step_id, request_ids, seconds
+        self.remote = after is not None  # the ids come from another rank
         self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         self.event = torch.cuda.Event()
         self.token_ids = token_ids  # alive until copied (it may live on another stream)
@@ -352,6 +358,11 @@ class _PendingResult:
         self.event.synchronize()
         return StepResult(step_id=self.step_id, request_ids=self.request_ids, token_ids=self.host.tolist(),
                           stage_times=[self.seconds])
+
+
+def _awaits_remote(item: _PendingResult | StepResult) -> bool:
+    """A split step's result whose ids have not come back from the first stage yet."""
+    return isinstance(item, _PendingResult) and item.remote and not item.ready()
 
 
 def _arrived(item: _PendingResult | StepResult) -> StepResult:

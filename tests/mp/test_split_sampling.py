@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers_model import write_tiny_model  # noqa: E402
+from helpers_model import write_tiny_checkpoint, write_tiny_model, write_word_level_tokenizer  # noqa: E402
 
 from pipeserve import LLM, SamplingParams  # noqa: E402
 from pipeserve.runtime.config import EngineConfig, ParallelConfig  # noqa: E402
@@ -46,14 +46,22 @@ def _run(model: str, device: str = "cpu", **parallel) -> list[tuple[list[int], l
             for o in outs]
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+@pytest.mark.parametrize("device, tied", [
+    ("cpu", False),
+    ("cpu", True),
+    pytest.param("cuda", False, marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")]),
-])
-def test_split_sampling_matches_one_process(tmp_path, device):
-    """On CUDA the ids come back to the driver on a side stream, and the workers replay graphs."""
-    model = write_tiny_model(tmp_path / "tiny")  # untied: the first stage loads half of lm_head.weight
+], ids=["cpu", "cpu-tied", "cuda"])
+def test_split_sampling_matches_one_process(tmp_path, device, tied):
+    """Untied, the first stage loads its half of lm_head.weight; tied, of the embedding. On CUDA
+    the first stage combines on a stream of its own, the ids come back to the driver on a side
+    stream, and the workers replay graphs."""
+    if tied:
+        model = write_tiny_checkpoint(tmp_path, "llama_tied")
+        write_word_level_tokenizer(model)
+        model = str(model)
+    else:
+        model = write_tiny_model(tmp_path / "tiny")
     one = _run(model, device)
     assert [len(tokens) for tokens, _ in one] == [12] * 4 + [5] * 3
     assert _run(model, device, pp=2, split_lm_head=True) == one
