@@ -9,8 +9,8 @@ instead, as in vocabulary parallelism for pipelines (Yeung et al., 2024):
 
 - the last stage sends the final-normed rows it samples ([N, H]) to the first stage, takes the
   max of its own vocab rows' logits ([V0, V)), and sends that partial (value, id) ([2, N]);
-- the first stage, which holds rows [0, V0) (the embedding's own rows when the two are tied),
-  takes its max, combines the two (a tie goes to the lower id, as ``argmax`` does) and feeds the
+- the first stage, which holds rows [0, V0) (loaded as the last stage loads its head: from
+  ``lm_head.weight``, else from the embedding), takes its max, combines the two (a tie goes to the lower id, as ``argmax`` does) and feeds the
   ids to the next plans, as if the last stage had sent them;
 - it sends the ids back to the last stage, whose driver reports them to the engine as usual.
 
@@ -20,12 +20,14 @@ stage's step) never holds back a forward queued after it; when the engine waits 
 step followed by fewer than pp − 1 plans (which the first stage would wait for before posting
 it), it asks the first stage to post at once (``wire.PostFeedback``).
 
-What it buys is small: in steady decoding the group round trip loses half the head (≈ 0.08 ms
-of a 4.7 ms step at Llama-3-8B's 16 layers with a 50k vocabulary) and gains the combine's
-chain (rows → the first stage's half → ids, ≈ 0.18 ms after the last stage's step, measured).
-On 2 × H100 it gave 8.5%/8.1% bubbles, within the spread of other calls without it; off by
-default until a same-call comparison shows a gain (BENCHMARKS.md, eighth session).
-Steps that carry prompt tokens, sample randomly, or ask for logprobs or ``min_tokens`` keep the
+What it buys is small: in steady decoding the last stage's step loses half the head (≈ 0.08 ms
+of a 4.7 ms step at Llama-3-8B's 16 layers with a 50k vocabulary), and the first stage waits
+for the combination's chain instead (rows → its half → ids: ≈ 0.18 ms after the last stage's
+step, measured). On 2 × H100 it gave 8.5%/8.1% bubbles, within the spread of other calls
+without it; off by default until a same-call comparison shows a gain (BENCHMARKS.md, eighth
+session).
+
+Steps that carry prompt tokens (a one-token last chunk aside), sample randomly, or ask for logprobs or ``min_tokens`` keep the
 last stage's full head. Off in deterministic mode (a split changes the head's product shapes),
 with tensor parallelism (each stage would need its TP ranks' shards combined) and without
 token feedback (``ParallelConfig.split_lm_head``).
