@@ -120,10 +120,7 @@ class DistributedExecutor:
         ``split_post_lag``: with split sampling, the plans the first stage takes after a step
         before it posts that step's feedback (pp − 1); None without."""
         self.max_in_flight = depth
-        self._split_post_lag = split_post_lag
-        self._split_steps: set[int] = set()  # split steps in flight (split sampling)
-        self._submitted: deque[int] = deque()  # steps in flight, oldest first
-        self.num_feedback_posts = 0  # PostFeedback messages sent
+        self._start_plans(split_post_lag)
         self.channel = EngineChannel(
             TransportConfig(host=host, liveness_timeout_s=liveness_timeout_s,
                             handshake_timeout_s=handshake_timeout_s),
@@ -140,11 +137,18 @@ class DistributedExecutor:
         self.num_stages = max(h.stage for h in hellos.values()) + 1
         self.channel.start_heartbeats()
         atexit.register(self.close)  # never leave workers behind a script that forgot close()
+        self._closed = False
+
+    def _start_plans(self, split_post_lag: int | None = None) -> None:
+        """The engine-side state of the plans on their way to the workers, empty."""
         self._differ = BlockTableDiffer()
         self._restarts: dict[str, int] = {}  # request id -> its num_preemptions at its last plan
         self._freed: list[str] = []
         self._results: dict[int, StepResult] = {}
-        self._closed = False
+        self._split_post_lag = split_post_lag
+        self._split_steps: set[int] = set()  # split steps in flight (split sampling)
+        self._submitted: deque[int] = deque()  # steps in flight, oldest first
+        self.num_feedback_posts = 0  # PostFeedback messages sent
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
         seqs = [self._seq_plan(s, samples.get(s.request_id)) for s in plan.scheduled]

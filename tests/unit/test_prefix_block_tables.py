@@ -9,7 +9,7 @@ from collections import deque
 
 import pytest
 
-from pipeserve.parallel.wire import BlockTableDiffer, BlockTableMirror, decode, encode
+from pipeserve.parallel.wire import BlockTableMirror, decode, encode
 from pipeserve.runtime.executor import DistributedExecutor, SampleRequest
 from pipeserve.runtime.sampling_params import SamplingParams
 from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
@@ -27,7 +27,8 @@ class FakeChannel:
 
 def make_executor() -> DistributedExecutor:
     ex = DistributedExecutor.__new__(DistributedExecutor)  # no sockets, no workers
-    ex.channel, ex._differ, ex._freed, ex._results, ex._restarts = FakeChannel(), BlockTableDiffer(), [], {}, {}
+    ex.channel = FakeChannel()
+    ex._start_plans()
     return ex
 
 
