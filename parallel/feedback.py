@@ -63,6 +63,33 @@ def warm_up(group: dist.ProcessGroup, *, src: int, dsts: list[int], rank: int, d
         torch.cuda.synchronize(device)
 
 
+class _SendQueue:
+    """Sends in flight, each kept (with its tensor) until done: completed ones are dropped as
+    new ones come, and beyond ``bound`` the oldest is waited for (on CUDA that only orders the
+    stream; gloo reports a send completed only once waited for, so without a bound the queue
+    would grow for the server's whole life)."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+        self._queue: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, works: list[dist.Work], tensor: torch.Tensor) -> None:
+        self._queue.append((works, tensor))  # the tensor lives until sent
+        while self._queue and all(w.is_completed() for w in self._queue[0][0]):
+            self._queue.popleft()
+        while len(self._queue) > self.bound:
+            for work in self._queue.popleft()[0]:
+                work.wait()
+
+    def drain(self) -> None:
+        while self._queue:
+            for work in self._queue.popleft()[0]:
+                work.wait()
+
+
 class FeedbackSender:
     """The last stage's driver: sends each sampling micro-batch's token ids to the first stage."""
 
@@ -81,7 +108,7 @@ class FeedbackSender:
         self.num_split = 0  # split steps sent
         # (a split step sends two messages: the bound counts steps, not messages)
         self.max_pending = max(self._MAX_PENDING, pp + 2) * (2 if split is not None else 1)
-        self._pending: deque[tuple[list[dist.Work], torch.Tensor]] = deque()
+        self._pending = _SendQueue(self.max_pending)
         self._cuda = False
 
     def send(self, token_ids: torch.Tensor) -> None:
@@ -112,18 +139,11 @@ class FeedbackSender:
         tensor = tensor.contiguous()
         self._cuda = tensor.is_cuda
         works = [dist.isend(tensor, dst=d, group=self.group) for d in self.dsts]
-        self._pending.append((works, tensor))  # the tensor lives until sent
-        while self._pending and all(w.is_completed() for w in self._pending[0][0]):
-            self._pending.popleft()
-        while len(self._pending) > self.max_pending:
-            for work in self._pending.popleft()[0]:
-                work.wait()
+        self._pending.add(works, tensor)
 
     def close(self) -> None:
         """Waits for every send (the first stage drains its receives at shutdown too)."""
-        while self._pending:
-            for work in self._pending.popleft()[0]:
-                work.wait()
+        self._pending.drain()
         if self._cuda:  # (an NCCL wait only orders the stream)
             torch.cuda.synchronize()
 
@@ -174,7 +194,7 @@ class FeedbackReceiver:
         self.group, self.src, self.device, self.post_lag = group, src, device, post_lag
         self.split_weight = split_weight
         self.num_split = 0  # split steps combined
-        self._sends: deque[tuple[dist.Work, torch.Tensor]] = deque()  # split steps' ids, back to the driver
+        self._sends = _SendQueue(FeedbackSender._MAX_PENDING)  # split steps' ids, back to the driver
         self._last: dict[str, tuple[int, int]] = {}  # request -> (its newest sampling step, row)
         # (step, its ids' buffer or a split step's buffers, plan index) not posted yet. Buffers
         # are allocated when the plan is taken, before its hidden states are sent: an allocation
@@ -306,17 +326,13 @@ class FeedbackReceiver:
             for work in [dist.irecv(t, src=self.src, group=self.group) for t in (step.rows, step.partial)]:
                 work.wait()  # CUDA: this stream waits; gloo: the host
             token_ids = step.combine(self.split_weight)
-            self._sends.append((dist.isend(token_ids, dst=self.src, group=self.group), token_ids))
+            self._sends.add([dist.isend(token_ids, dst=self.src, group=self.group)], token_ids)
             done = None
             if stream is not None:
                 done = torch.cuda.Event()
                 done.record()
                 self._combining.append((done, step))
         self.num_split += 1
-        while self._sends and self._sends[0][0].is_completed():
-            self._sends.popleft()
-        while len(self._sends) > FeedbackSender._MAX_PENDING:  # (matched long ago: returns at once)
-            self._sends.popleft()[0].wait()
         return _Combined(done)
 
     def _prune(self, newest: int) -> None:
@@ -340,8 +356,7 @@ class FeedbackReceiver:
         for step, (work, _) in self._received.items():
             if step not in self._waited:  # never twice: a gloo receive's second wait blocks
                 work.wait()
-        while self._sends:
-            self._sends.popleft()[0].wait()
+        self._sends.drain()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._combining.clear()

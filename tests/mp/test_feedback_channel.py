@@ -81,25 +81,30 @@ def _run(rank: int, init_file: str, out: dict, post_lag: int) -> None:
     dist.destroy_process_group()
 
 
-def _entry(rank: int, init_file: str, results, post_lag: int) -> None:
+def _entry(run, rank: int, init_file: str, results, *args) -> None:
     out: dict = {}
-    _run(rank, init_file, out, post_lag)
+    run(rank, init_file, out, *args)
     results.put((rank, out))
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("post_lag", [1, 2])  # pp = 2, pp = 3
-def test_feedback_channel_over_gloo(tmp_path, post_lag):
+def _run_pair(tmp_path, run, *args) -> dict[int, dict]:
+    """``run(rank, init_file, out, *args)`` on two spawned ranks; their ``out`` by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init_file = os.path.join(tmp_path, "init")
-    procs = [ctx.Process(target=_entry, args=(r, init_file, results, post_lag)) for r in range(2)]
+    procs = [ctx.Process(target=_entry, args=(run, r, init_file, results, *args)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=100)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got = dict(results.get(timeout=5) for _ in procs)
+    return dict(results.get(timeout=5) for _ in procs)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("post_lag", [1, 2])  # pp = 2, pp = 3
+def test_feedback_channel_over_gloo(tmp_path, post_lag):
+    got = _run_pair(tmp_path, _run, post_lag)
     assert got[0]["fed"] == NUM_STEPS // 2 - 1
     assert got[1]["sender_most_pending"] <= max(FeedbackSender._MAX_PENDING, post_lag + 3)
     # Unread receives (the odd steps) are dropped once old: bounded, not one per step.
@@ -177,27 +182,12 @@ def _run_split(rank: int, init_file: str, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _entry_split(rank: int, init_file: str, results) -> None:
-    out: dict = {}
-    _run_split(rank, init_file, out)
-    results.put((rank, out))
-
-
 @pytest.mark.timeout(120)
 def test_split_sampling_over_gloo(tmp_path):
     """The driver sends split steps' rows and partial argmax, the first stage combines them with
     its half of the head: the fed ids and the ids sent back are the full head's argmax; steps
     that are not split (a prompt, random sampling) go through ``send`` as before, in the same
     order on the same pair."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init_file = os.path.join(tmp_path, "init")
-    procs = [ctx.Process(target=_entry_split, args=(r, init_file, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=100)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    got = dict(results.get(timeout=5) for _ in procs)
+    got = _run_pair(tmp_path, _run_split)
     assert got[0]["fed_right"] and got[0]["num_fed"] == 29
     assert got[1]["ids_back_right"] and got[1]["num_split"] == 60 - 1 - 6  # the prompt, six random steps
