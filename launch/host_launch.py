@@ -38,7 +38,7 @@ import torch
 
 from pipeserve.kernels import kernel_ops
 from pipeserve.launch.bench_peers import SHAPES, load_dummy_model
-from pipeserve.launch.profile import Profiler
+from pipeserve.launch.profile import DeviceSleep, Profiler
 from pipeserve.runtime.batch import to_tensors
 from pipeserve.runtime.cuda_graphs import CudaGraphRunner, graphs_enabled
 from pipeserve.runtime.kv_cache import allocate_kv_cache
@@ -71,25 +71,6 @@ def _args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-class _DeviceSleep:
-    """Queues a sleep of about ``seconds`` on the current CUDA stream (a no-op on CPU)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cycles_per_s = None
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1_000_000)  # (warm-up)
-            start.record()
-            torch.cuda._sleep(10_000_000)
-            end.record()
-            end.synchronize()
-            self.cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
-
-    def __call__(self, seconds: float) -> None:
-        if self.cycles_per_s is not None:
-            torch.cuda._sleep(int(seconds * self.cycles_per_s))
-
-
 class Path:
     """How a micro-batch is prepared and launched: eagerly (``to_tensors``, then the forward
     call), or through ``graphs`` (its ``prepare``, then a graph replay)."""
@@ -112,7 +93,7 @@ class Path:
             self.runner.model(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.meta)
 
 
-def time_case(profiler: Profiler, step, *, reps: int, sleep: _DeviceSleep, path: Path | None = None) -> dict:
+def time_case(profiler: Profiler, step, *, reps: int, sleep: DeviceSleep, path: Path | None = None) -> dict:
     """Median prepare / launch / device milliseconds of ``reps`` forwards of ``step`` (eager
     unless ``path`` says otherwise)."""
     path = path or Path(profiler.runner)
@@ -144,7 +125,7 @@ def time_case(profiler: Profiler, step, *, reps: int, sleep: _DeviceSleep, path:
     return row
 
 
-def profile_launches(profiler: Profiler, step, *, reps: int, sleep: _DeviceSleep, top: int) -> str:
+def profile_launches(profiler: Profiler, step, *, reps: int, sleep: DeviceSleep, top: int) -> str:
     """cProfile of ``reps`` launches of ``step`` (prepare + forward call), the device kept busy."""
     runner = profiler.runner
     device = runner.device
@@ -177,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            block_size=args.block_size, dtype=dtype, device=device)
     runner = ModelRunner(loaded.model, kv_caches=kv, block_size=args.block_size, device=device)
     profiler = Profiler(runner, block_size=args.block_size, vocab_size=cfg.vocab_size, device=device)
-    sleep = _DeviceSleep(device)
+    sleep = DeviceSleep(device)
     paths = [Path(runner)]
     if graphs_enabled(max_batch=64, max_tokens=512, device=device, ops_name=loaded.model.ops.name):
         # The cases' buckets: 64 decodes, 512 tokens (and every smaller bucket, as a server has).

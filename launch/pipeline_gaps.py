@@ -40,7 +40,11 @@ of one or two decodes means one to four requests were running, too few to fill t
 request decodes at most once per ``pp`` micro-batches), so its stages wait for each other by
 construction; the large ones show what a full pipeline of decodes loses per micro-batch.
 
-Given a run directory whose ``result.json`` holds the workers' host summaries, a fourth table
+A fourth table says how uniform the compute was: the coefficient of variation of the spans of
+micro-batches carrying prompt tokens (those a token or time budget fills) and of decode-only
+ones, and with a time budget, the median and CV of span / predicted time per micro-batch.
+
+Given a run directory whose ``result.json`` holds the workers' host summaries, a fifth table
 gives each rank's host time per step from the forward's first launch to its last (eager and
 CUDA graph steps) and the caching allocator's retries (each one synchronizes the device).
 """
@@ -55,7 +59,7 @@ import os
 import statistics
 from collections.abc import Sequence
 
-from pipeserve.runtime.metrics import percentile
+from pipeserve.runtime.metrics import coefficient_of_variation, percentile
 
 _EPS_S = 20e-6  # instants closer than this count as the same moment
 DECODE_SIZES = ((1, 2), (3, 7), (8, 31), (32, None))
@@ -88,6 +92,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
     after_queued: dict[int, dict[int, float]] = {tid: {} for tid in lanes}  # span end - host's last launch
     recv: dict[int, dict[int, float]] = {tid: {} for tid in lanes}
     submit: dict[int, tuple[float, int, int, list[int] | None]] = {}  # step -> (ts s, tokens, prefill, fed from)
+    predicted: dict[int, float] = {}  # step -> the cost model's seconds (time budget runs)
     results: list[float] = []  # when the engine had each micro-batch's result (its async slice's end)
     for e in events:
         if e.get("ph") == "X" and e.get("tid") in compute:
@@ -100,7 +105,10 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
                 recv[e["tid"]][step] = e["dur"] / 1e6
         elif e.get("ph") == "i" and e.get("name", "").startswith("submit "):
             a = e["args"]
-            submit[int(e["name"].split()[1])] = (e["ts"] / 1e6, a["tokens"], a["prefill_tokens"], a.get("fed_from"))
+            step = int(e["name"].split()[1])
+            submit[step] = (e["ts"] / 1e6, a["tokens"], a["prefill_tokens"], a.get("fed_from"))
+            if a.get("predicted_ms"):
+                predicted[step] = a["predicted_ms"] / 1e3
         elif e.get("ph") == "e" and e.get("cat") == "microbatch":
             results.append(e["ts"] / 1e6)
     results.sort()
@@ -178,6 +186,9 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             **dict(zip(("median_decode_only_ms", "median_decode_only_after_queued_ms"),
                        _medians_ms(decode, durations, after_queued[tid]))),
             "imbalance": statistics.fmean(shares) if shares else None,
+            "with_prompt_cv": coefficient_of_variation([durations[s] for s in mixed]),
+            "decode_only_cv": coefficient_of_variation([durations[s] for s in decode]),
+            **_prediction_ratios(mixed, durations, predicted),
             **{f"idle_decode_only_{k.replace(' ', '_')}_s": v for k, v in decode_idle.items()},
             "num_plan_gaps": num_plan_gaps,
             "plan_reaction_ms_p50": statistics.median(reactions) * 1e3 if reactions else None,
@@ -186,6 +197,14 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
                                     for k, (n, b, i) in sorted(by_size.items(), key=lambda kv: _SIZE_ORDER[kv[0]])},
         })
     return rows
+
+
+def _prediction_ratios(steps: list[int], durations: dict[int, float], predicted: dict[int, float]) -> dict:
+    """How the cost model's predictions track ``steps``' spans: the median and the CV of span /
+    predicted (a CV near 0 means the spans are the predictions up to one scale)."""
+    ratios = [durations[s] / predicted[s] for s in steps if predicted.get(s)]
+    return {"with_prompt_ratio_median": statistics.median(ratios) if ratios else None,
+            "with_prompt_ratio_cv": coefficient_of_variation(ratios)}
 
 
 def _medians_ms(steps: list[int], durations: dict[int, float], tails: dict[int, float]):
@@ -246,6 +265,19 @@ def format_decode_sizes(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_uniformity(rows: Sequence[dict]) -> str:
+    """How uniform the micro-batches' compute was: the CV of the spans of those carrying prompt
+    tokens (the ones a budget fills) and of the decode-only ones, and, with a time budget, how
+    the spans track the cost model's predictions."""
+    num = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    lines = ["| lane | with prompt: span CV | span / predicted: median, CV | decode only: span CV |",
+             "|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['lane']} | {num(r['with_prompt_cv'], '.3f')} | {num(r['with_prompt_ratio_median'], '.3f')}, "
+                     f"{num(r['with_prompt_ratio_cv'], '.3f')} | {num(r['decode_only_cv'], '.3f')} |")
+    return "\n".join(lines)
+
+
 def format_host(stages: Sequence[dict]) -> str:
     """The workers' host summaries (``result.json`` stages' ``host``), one row per rank that has one."""
     ms = lambda d, k: "-" if d.get(k) is None else f"{d[k]:.2f}"  # noqa: E731
@@ -292,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(format_rows(rows))
     print(format_idle_kinds(rows))
     print(format_decode_sizes(rows))
+    print(format_uniformity(rows))
     if host := format_host(stages):  # (runs from before the workers' host summaries have none)
         print(host)
 

@@ -5,10 +5,11 @@
 
 Runs synthetic micro-batches through the model runner (the whole model in this process):
 single prompt chunks of varied length at varied prefix lengths, batches of decodes at varied
-context lengths, and mixes of both; times each (the fastest of a few repeats, synchronizing
-the device around each: this is a profile, not a serving run); fits
+context lengths, and mixes of both; times each on the device (the fastest of a few repeats;
+see ``Profiler.time``: this is a profile, not a serving run); fits
 
-    t = per_token * num_tokens + per_attn * sum(q_i * ctx_i) + per_seq * num_seqs + fixed
+    t = per_token * max(num_tokens, knee_tokens) + per_attn * sum(q_i * ctx_i)
+        + per_kv * sum(ctx_i) + per_seq * num_seqs + fixed
 
 with CostModel.fit; and writes the coefficients, the samples and the fit error to a JSON file
 that `scheduler.cost_model_path` reads (bench runs and sweeps reuse it). With pipeline
@@ -33,9 +34,7 @@ from pipeserve.runtime.batch import StepInputs
 from pipeserve.runtime.kv_cache import allocate_kv_cache
 from pipeserve.runtime.loader import load_model, set_kernels
 from pipeserve.runtime.model_runner import ModelRunner
-from pipeserve.runtime.sampling_params import SamplingParams
-from pipeserve.scheduler import CostModel
-from pipeserve.scheduler.cost_model import attention_work
+from pipeserve.scheduler import CostModel, Work
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,9 +60,29 @@ class ProfileOptions:
         """Every micro-batch to time, as (prefix length, query length) per sequence."""
         prefill = [[(p, q)] for q in self.chunk_tokens for p in self.prefix_lens]
         decode = [[(c, 1)] * n for n in self.decode_batch_sizes for c in self.decode_context_lens]
-        mixed = [[(c, 1)] * n + [(p, q)] for n in self.decode_batch_sizes[-1:] for c in self.decode_context_lens[:1]
-                 for q in self.chunk_tokens[-2:] for p in self.prefix_lens[:2]]
+        mixed = [[(c, 1)] * n + [(p, q)] for n in self.decode_batch_sizes[-2:] for c in self.decode_context_lens[-2:]
+                 for q in self.chunk_tokens[-2:] for p in self.prefix_lens[-2:]]
         return prefill + decode + mixed
+
+
+class DeviceSleep:
+    """Queues a sleep of about ``seconds`` on the current CUDA stream (a no-op on CPU), so that
+    the host can queue work behind it and the device then runs that work back to back."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cycles_per_s = None
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(1_000_000)  # (warm-up)
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles_per_s = 10_000_000 / (start.elapsed_time(end) / 1e3)
+
+    def __call__(self, seconds: float) -> None:
+        if self.cycles_per_s is not None:
+            torch.cuda._sleep(int(seconds * self.cycles_per_s))
 
 
 class Profiler:
@@ -72,6 +91,8 @@ class Profiler:
     def __init__(self, runner: ModelRunner, *, block_size: int, vocab_size: int, device: torch.device) -> None:
         self.runner, self.block_size, self.vocab, self.device = runner, block_size, vocab_size, device
         self._gen = torch.Generator().manual_seed(0)
+        self._head_start = 0.05  # seconds of device sleep queued before a timed step (grows if short)
+        self._sleep = DeviceSleep(device)
 
     def step(self, seqs: list[tuple[int, int]]) -> StepInputs:
         """Sequence i attends over `prefix` cached tokens plus its `q` new ones; blocks are laid out
@@ -93,23 +114,53 @@ class Profiler:
 
     def time(self, seqs: list[tuple[int, int]], repeats: int) -> float:
         """Seconds of one micro-batch (forward, logits and greedy sampling): the fastest of
-        ``repeats`` timed runs, which shrugs off other load on a shared machine."""
+        ``repeats`` timed runs, which shrugs off other load on a shared machine.
+
+        On CUDA this is the *device's* time, between events, with the whole step queued behind
+        a device sleep first: serving replays CUDA graphs, whose launch costs the host well
+        under a millisecond, while launching an eager step kernel by kernel takes the host
+        longer than the device takes to run it (BENCHMARKS.md, the seventh session), so wall
+        time here would measure this host's launches. On CPU: wall time."""
         step = self.step(seqs)
-        params = [SamplingParams(temperature=0.0)] * len(seqs)
+        self._run(step)  # warm-up (compiles, allocator)
         times = []
-        for i in range(repeats + 1):
-            self.sync()
-            t0 = time.perf_counter()
-            self.runner.execute(step, params, [None] * len(seqs), num_output_tokens=[0] * len(seqs),
-                                eos_token_ids=())
-            self.sync()
-            if i:  # the first run warms up
-                times.append(time.perf_counter() - t0)
+        for _ in range(repeats):
+            times.append(self._device_time(step) if self.device.type == "cuda" else self._wall_time(step))
         return min(times)
+
+    def _run(self, step: StepInputs) -> torch.Tensor:
+        return self.runner.forward_logits(step).argmax(dim=-1)  # greedy sampling, left on the device
+
+    def _wall_time(self, step: StepInputs) -> float:
+        t0 = time.perf_counter()
+        self._run(step)
+        return time.perf_counter() - t0
+
+    def _device_time(self, step: StepInputs) -> float:
+        for _ in range(8):
+            self.sync()
+            self._sleep(self._head_start)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            self._run(step)
+            end.record()
+            launch = time.perf_counter() - t0
+            end.synchronize()
+            if launch < 0.5 * self._head_start:  # queued whole while the device slept
+                return start.elapsed_time(end) / 1e3
+            self._head_start *= 4  # the host caught up with the device: give it a longer start
+        raise RuntimeError(f"launching a step took the host {launch:.3f} s even behind a long device sleep"
+                           " (something in the step synchronizes)")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def relative_errors(model: CostModel, samples: list[tuple[Work, float]]) -> dict[str, float]:
+    errors = [abs(model.predict(w) - t) / t for w, t in samples]
+    return {"mean": statistics.fmean(errors), "max": max(errors)}
 
 
 def blocks_needed(shapes: list[list[tuple[int, int]]], block_size: int) -> int:
@@ -138,24 +189,25 @@ def run_profile(cfg: DictConfig, out_dir: str, *, progress: bool = True) -> dict
                            block_size=engine.block_size, dtype=dtype, device=device)
     runner = ModelRunner(loaded.model, kv_caches=kv, block_size=engine.block_size, device=device)
     profiler = Profiler(runner, block_size=engine.block_size, vocab_size=loaded.config.vocab_size, device=device)
-    samples = []
-    for seqs in tqdm(shapes, desc="profile", unit="shape", disable=not progress):
-        seconds = profiler.time(seqs, options.repeats)
-        work = sum(attention_work(p, q) for p, q in seqs)
-        samples.append((sum(q for _, q in seqs), work, len(seqs), seconds))
+    samples = [(Work.of(seqs), profiler.time(seqs, options.repeats))
+               for seqs in tqdm(shapes, desc="profile", unit="shape", disable=not progress)]
     model = CostModel.fit(samples)
-    errors = [abs(model.predict(n, a, s) - t) / t for n, a, s, t in samples]
+    three = CostModel.fit(samples, memory_terms=False)
     # A starting point for scheduler.time_budget_s: what a full token-budget chunk of a long
     # prompt costs midway (prefix 1024) in the token-budget mode.
     chunk = engine.scheduler.max_num_batched_tokens
     result = {
         "cost_model": model.to_dict(),
-        "relative_error": {"mean": statistics.fmean(errors), "max": max(errors)},
-        "suggested_time_budget_s": model.predict(chunk, attention_work(1024, chunk), 1),
+        "relative_error": relative_errors(model, samples),
+        "three_feature_fit": {"cost_model": three.to_dict(), "relative_error": relative_errors(three, samples)},
+        "suggested_time_budget_s": model.predict(Work.of([(1024, chunk)])),
+        "timing": "device" if device.type == "cuda" else "wall",
         "model": loaded.path, "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "block_size": engine.block_size, "date": datetime.datetime.now().isoformat(),
-        "samples": [dict(num_tokens=n, attn_work=a, num_seqs=s, seconds=t) for n, a, s, t in samples],
+        "samples": [dict(seqs=[list(x) for x in seqs], num_tokens=w.num_tokens, attn_work=w.attn_work,
+                         kv_tokens=w.kv_tokens, num_seqs=w.num_seqs, seconds=t)
+                    for seqs, (w, t) in zip(shapes, samples)],
     }
     path = options.out if os.path.isabs(options.out) else os.path.join(out_dir, options.out)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -170,11 +222,11 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     result = run_profile(cfg, HydraConfig.get().runtime.output_dir)
-    coef = result["cost_model"]
-    print(f"cost model on {result['device']} ({result['dtype']}): "
-          + ", ".join(f"{k}={v:.3g}" for k, v in coef.items()))
-    err = result["relative_error"]
-    print(f"fit error: mean {err['mean']:.1%}, max {err['max']:.1%} over {len(result['samples'])} shapes")
+    print(f"cost model on {result['device']} ({result['dtype']}, {result['timing']} time): "
+          + ", ".join(f"{k}={v:.3g}" for k, v in result["cost_model"].items()))
+    err, three = result["relative_error"], result["three_feature_fit"]["relative_error"]
+    print(f"fit error: mean {err['mean']:.1%}, max {err['max']:.1%} over {len(result['samples'])} shapes"
+          f" (without per_kv and the knee: mean {three['mean']:.1%}, max {three['max']:.1%})")
     print(f"wrote {result['path']}\n  use: scheduler.cost_model_path={result['path']}"
           f" scheduler.time_budget_s={result['suggested_time_budget_s']:.4g}")
 

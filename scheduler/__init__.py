@@ -5,7 +5,7 @@ Never imports torch, zmq or hydra; every piece is testable in milliseconds.
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
-from .cost_model import CostModel
+from .cost_model import CostModel, Work
 from .request import Request, RequestStatus
 from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
@@ -18,4 +18,5 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "Work",
 ]

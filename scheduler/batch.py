@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
-from .cost_model import CostModel, attention_work
+from .cost_model import CostModel, Work
 from .request import Request, RequestStatus
 
 VictimSelector = Callable[[list[Request]], "Request | None"]
@@ -111,7 +111,7 @@ class BatchBuilder:
         self.scheduled: list[ScheduledRequest] = []
         self.preempted: list[str] = []
         self.num_tokens = 0
-        self.attn_work = 0
+        self.work = Work()  # the cost model's totals (tracked only with a cost model)
         # Whole-prompt policies may admit one prompt over the token budget (see config).
         self.num_over_budget_tokens = 0
         self._num_admitted = 0
@@ -196,7 +196,7 @@ class BatchBuilder:
     def predicted_time(self) -> float:
         if self.cost_model is None:
             return 0.0
-        return self.cost_model.predict(self.num_tokens, self.attn_work, self.num_seqs)
+        return self.cost_model.predict(self.work)
 
     # ---- moves ----------------------------------------------------------------------------
 
@@ -355,7 +355,8 @@ class BatchBuilder:
             request.num_pending_tokens = pending + 1
             request.sample_step = self.step_id
         self.num_tokens += num_tokens
-        self.attn_work += attention_work(computed, num_tokens)
+        if self.cost_model is not None:
+            self.work = self.work.plus(computed, num_tokens)
 
     def _may_exceed_budget(self) -> bool:
         # Whole-prompt policies may add one prompt over the budget (with decodes); chunking
@@ -392,8 +393,7 @@ class BatchBuilder:
         model, lo, hi = self.cost_model, 0, limit
 
         def fits(q: int) -> bool:
-            work = self.attn_work + attention_work(num_computed, q)
-            return model.predict(self.num_tokens + q, work, self.num_seqs + 1) <= budget
+            return model.predict(self.work.plus(num_computed, q)) <= budget
 
         while lo < hi:
             mid = (lo + hi + 1) // 2

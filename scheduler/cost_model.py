@@ -1,20 +1,26 @@
 """Predicted time of one micro-batch, so Sarathi can fill micro-batches to equal *time*.
 
-    t = per_token * num_tokens + per_attn * sum_i(q_i * ctx_i) + per_seq * num_seqs + fixed
+    t = per_token * max(num_tokens, knee_tokens) + per_attn * sum_i(q_i * ctx_i)
+        + per_kv * sum_i(ctx_i) + per_seq * num_seqs + fixed
 
 where request i has q_i tokens scheduled and ctx_i = (computed before the step) + q_i context
 after it. Token-equal chunks are not time-equal: a chunk late in a long prompt attends over its
-whole prefix, which the attention term charges for.
+whole prefix, which the attention term charges for. Two parts of a step are bound by memory
+rather than arithmetic, and get terms of their own:
+
+- the linear layers read every weight once per step, so below ``knee_tokens`` tokens a step
+  costs what ``knee_tokens`` would (decode-only steps sit there);
+- attention reads each sequence's whole KV once, ``per_kv`` per context token: for a decode
+  (q = 1) this dominates, and it costs tens of times what a prompt token's attention
+  arithmetic does per unit of q * ctx, so one coefficient cannot fit both.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
-
-Sample = tuple[int, int, int, float]  # (num_tokens, attn_work, num_seqs, seconds)
 
 
 def attention_work(num_computed_tokens: int, num_scheduled_tokens: int) -> int:
@@ -22,16 +28,49 @@ def attention_work(num_computed_tokens: int, num_scheduled_tokens: int) -> int:
     return num_scheduled_tokens * (num_computed_tokens + num_scheduled_tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class Work:
+    """The totals of a micro-batch that the cost model reads."""
+
+    num_tokens: int = 0
+    attn_work: int = 0
+    """sum_i q_i * ctx_i."""
+    kv_tokens: int = 0
+    """sum_i ctx_i: the context tokens whose KV the step reads."""
+    num_seqs: int = 0
+
+    def plus(self, num_computed_tokens: int, num_scheduled_tokens: int) -> Work:
+        """These totals with one more sequence's chunk."""
+        q, ctx = num_scheduled_tokens, num_computed_tokens + num_scheduled_tokens
+        return Work(self.num_tokens + q, self.attn_work + q * ctx, self.kv_tokens + ctx, self.num_seqs + 1)
+
+    @classmethod
+    def of(cls, seqs: Iterable[tuple[int, int]]) -> Work:
+        """Totals of (computed before the step, scheduled) per sequence."""
+        work = cls()
+        for computed, q in seqs:
+            work = work.plus(computed, q)
+        return work
+
+
+Sample = tuple[Work, float]  # (a micro-batch's totals, its measured seconds)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CostModel:
     per_token: float
-    """Seconds per scheduled token (linear layers, MLP, embedding)."""
+    """Seconds per scheduled token (linear layers, MLP, embedding) above ``knee_tokens``."""
     per_attn: float
-    """Seconds per unit of attention work q_i * ctx_i."""
+    """Seconds per unit of attention work q_i * ctx_i (a prompt chunk's arithmetic)."""
     per_seq: float
     """Seconds per sequence in the micro-batch (metadata, sampling, per-sequence kernels)."""
     fixed: float
     """Seconds per micro-batch regardless of content (launch and communication overhead)."""
+    per_kv: float = 0.0
+    """Seconds per context token whose KV the step reads (a decode's attention)."""
+    knee_tokens: float = 0.0
+    """Below this many tokens the linear layers cost what this many do: they are bound by
+    reading the weights, not by arithmetic. 0: linear all the way down."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -39,12 +78,13 @@ class CostModel:
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{f.name} must be a finite number >= 0, got {value!r}")
 
-    def predict(self, num_tokens: int, attn_work: int, num_seqs: int) -> float:
+    def predict(self, work: Work) -> float:
         """Predicted seconds of a micro-batch with these totals."""
         return (
-            self.per_token * num_tokens
-            + self.per_attn * attn_work
-            + self.per_seq * num_seqs
+            self.per_token * max(work.num_tokens, self.knee_tokens)
+            + self.per_attn * work.attn_work
+            + self.per_kv * work.kv_tokens
+            + self.per_seq * work.num_seqs
             + self.fixed
         )
 
@@ -59,9 +99,12 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict[str, float]) -> CostModel:
+        """Profiles written before ``per_kv`` and ``knee_tokens`` existed load with them at 0."""
         names = {f.name for f in fields(cls)}
-        if set(data) != names:
-            raise ValueError(f"cost model keys must be {sorted(names)}, got {sorted(data)}")
+        required = {"per_token", "per_attn", "per_seq", "fixed"}
+        if not required <= set(data) <= names:
+            raise ValueError(f"cost model keys must be {sorted(required)} and optionally "
+                             f"{sorted(names - required)}, got {sorted(data)}")
         return cls(**{k: float(v) for k, v in data.items()})
 
     @classmethod
@@ -80,8 +123,13 @@ class CostModel:
         return cls.from_dict(data)
 
     @classmethod
-    def fit(cls, samples: Sequence[Sample]) -> CostModel:
-        """Least-squares fit to measured (num_tokens, attn_work, num_seqs, seconds) samples.
+    def fit(cls, samples: Sequence[Sample], *, memory_terms: bool = True) -> CostModel:
+        """Fit to measured (Work, seconds) samples, minimizing the squared *relative* error (a
+        decode step's 5 ms counts as much as a prompt step's 20 ms).
+
+        ``knee_tokens`` is chosen among candidates (``_knee_candidates``), the rest solved by least
+        squares at each. ``memory_terms=False`` fits the three-feature model (no
+        ``per_kv``, no knee), for comparison.
 
         No coefficient may be negative: a negative one makes the predicted time *fall* as work
         is added, which breaks the chunk-size search (it assumes time grows with tokens) and
@@ -91,17 +139,56 @@ class CostModel:
         """
         if not samples:
             raise ValueError("no samples to fit")
-        rows = [(float(n), float(a), float(s), 1.0) for n, a, s, _ in samples]
-        ys = [float(sample[3]) for sample in samples]
-        active = [0, 1, 2, 3]
+        if any(not (t > 0) for _, t in samples):
+            raise ValueError("every sample needs a positive time")
+        best: tuple[float, CostModel] | None = None
+        for knee in cls._knee_candidates(samples) if memory_terms else [0.0]:
+            try:
+                model = cls._fit_at(samples, knee, memory_terms)
+            except ValueError:
+                if knee == 0:
+                    raise  # the samples do not determine the model at all
+                continue
+            error = sum((model.predict(w) / t - 1) ** 2 for w, t in samples)
+            if best is None or error < best[0]:
+                best = (error, model)
+        assert best is not None
+        return best[1]
+
+    @classmethod
+    def _knee_candidates(cls, samples: Sequence[Sample]) -> list[float]:
+        """0, and for each split of the samples' token counts into those at or below the knee
+        and those above, the knee that fits best: with the split fixed the model is linear in
+        (per_token, per_token * knee, ...), so least squares gives per_token * knee too; the
+        knee is then kept within the split's interval."""
+        counts = sorted({w.num_tokens for w, _ in samples})
+        knees = [0.0]
+        for lo, hi in zip(counts, counts[1:]):
+            rows = [(w.num_tokens / t if w.num_tokens > lo else 0.0, w.attn_work / t, w.num_seqs / t, 1.0 / t,
+                     w.kv_tokens / t, 1.0 / t if w.num_tokens <= lo else 0.0) for w, t in samples]
+            try:
+                coef = _least_squares(rows, [1.0] * len(rows), [0, 1, 2, 3, 4, 5])
+            except ValueError:
+                continue
+            if coef[0] > 0:
+                knees.append(min(max(coef[5] / coef[0], lo), hi))
+        return knees
+
+    @classmethod
+    def _fit_at(cls, samples: Sequence[Sample], knee: float, memory_terms: bool) -> CostModel:
+        # Each row divided by its time: least squares then minimizes the relative error.
+        rows = [(max(w.num_tokens, knee) / t, w.attn_work / t, w.num_seqs / t, 1.0 / t, w.kv_tokens / t)
+                for w, t in samples]
+        ys = [1.0] * len(samples)
+        active = [0, 1, 2, 3, 4] if memory_terms else [0, 1, 2, 3]
         while True:
             coef = _least_squares(rows, ys, active)
             negative = [j for j in active if coef[j] < 0]
             if not negative:
                 break
             active.remove(min(negative, key=coef.__getitem__))
-        names = [f.name for f in fields(cls)]
-        return cls(**{name: coef.get(j, 0.0) for j, name in enumerate(names)})
+        return cls(per_token=coef.get(0, 0.0), per_attn=coef.get(1, 0.0), per_seq=coef.get(2, 0.0),
+                   fixed=coef.get(3, 0.0), per_kv=coef.get(4, 0.0), knee_tokens=float(knee))
 
 
 def _least_squares(
@@ -124,7 +211,7 @@ def _least_squares(
     return {j: wj / s for j, wj, s in zip(cols, w, scale)}
 
 
-_COLUMN_NAMES = ("num_tokens", "attn_work", "num_seqs", "constant")
+_COLUMN_NAMES = ("num_tokens", "attn_work", "num_seqs", "constant", "kv_tokens", "below the knee")
 
 
 def _solve(a: list[list[float]], b: list[float], names: list[str]) -> list[float]:

@@ -13,7 +13,7 @@ from pipeserve.runtime import metrics as M
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.loader import load_model
 from pipeserve.runtime.workload import RequestSpec
-from pipeserve.scheduler import CostModel, SchedulerConfig
+from pipeserve.scheduler import CostModel, SchedulerConfig, Work
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,13 +70,15 @@ def test_profile_writes_a_fitted_cost_model(tiny_model, tmp_path, compose):
     profile = run_profile(cfg, str(tmp_path), progress=False)
     data = json.loads(open(profile["path"]).read())
     samples = data["samples"]
-    assert len(samples) == 3 * 2 + 2 * 2 + 1 * 2 * 2  # prefill chunks, decode batches, mixes
-    assert all(s["seconds"] > 0 for s in samples)
-    assert {(s["num_tokens"], s["attn_work"], s["num_seqs"]) for s in samples} >= {(32, 32 * 96, 1), (4, 4 * 65, 4)}
+    assert len(samples) == 3 * 2 + 2 * 2 + 2 * 2 * 2 * 2  # prefill chunks, decode batches, mixes
+    assert all(s["seconds"] > 0 for s in samples) and data["timing"] == "wall"
+    totals = {(s["num_tokens"], s["attn_work"], s["kv_tokens"], s["num_seqs"]) for s in samples}
+    assert totals >= {(32, 32 * 96, 96, 1), (4, 4 * 65, 4 * 65, 4), (4 + 64, 4 * 65 + 64 * 128, 4 * 65 + 128, 5)}
     cost = CostModel.load(profile["path"])
-    errors = [abs(cost.predict(s["num_tokens"], s["attn_work"], s["num_seqs"]) - s["seconds"]) / s["seconds"]
-              for s in samples]
+    errors = [abs(cost.predict(Work.of(s["seqs"])) - s["seconds"]) / s["seconds"] for s in samples]
     assert data["relative_error"]["max"] == pytest.approx(max(errors))
+    three = CostModel.from_dict(data["three_feature_fit"]["cost_model"])
+    assert three.per_kv == three.knee_tokens == 0.0
 
 
 def test_time_budget_fills_micro_batches_to_a_predicted_time(tiny_model, tmp_path):
@@ -86,11 +88,11 @@ def test_time_budget_fills_micro_batches_to_a_predicted_time(tiny_model, tmp_pat
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"cost_model": coef}))
     cost = CostModel(**coef)
-    budget = cost.predict(48, 48 * 48, 1)
+    budget = cost.predict(Work.of([(0, 48)]))
     expected, done = [], 0
     while done < 200:  # brute force: the largest q that fits
         q = max(q for q in range(1, min(200 - done, BUDGET) + 1)
-                if q == 1 or cost.predict(q, q * (done + q), 1) <= budget)
+                if q == 1 or cost.predict(Work.of([(done, q)])) <= budget)
         expected.append(q)
         done += q
     assert expected[0] == 48 and expected[-2] < 40  # the premise: later chunks must shrink

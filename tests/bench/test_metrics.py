@@ -12,7 +12,7 @@ import pytest
 
 from pipeserve.runtime import metrics as M
 from pipeserve.runtime.engine import StepRecord
-from pipeserve.scheduler import CostModel, SchedulerConfig
+from pipeserve.scheduler import CostModel, SchedulerConfig, Work
 
 
 def test_percentiles_match_numpy():
@@ -190,7 +190,7 @@ def test_cost_model_loads_from_a_profile_or_a_bare_dict(tmp_path):
     assert SchedulerConfig(cost_model_path="x.json").cost_model_path == "x.json"
     with pytest.raises(ValueError, match="cost_model_path"):
         SchedulerConfig(cost_model_path=3)
-    assert math.isfinite(CostModel.analytic_default().predict(10, 10, 1))
+    assert math.isfinite(CostModel.analytic_default().predict(Work.of([(0, 10)])))
 
 
 def test_loaded_window_ends_when_fewer_than_depth_requests_remain():

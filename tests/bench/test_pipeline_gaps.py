@@ -7,10 +7,11 @@ import pytest
 from pipeserve.launch import pipeline_gaps
 
 
-def _trace(stage_spans, submits, recv_waits=(), fed_from=None, results=None):
+def _trace(stage_spans, submits, recv_waits=(), fed_from=None, results=None, predicted=None):
     """stage_spans: {stage: [(step, start ms, end ms[, queued ms])]}; submits: {step: (ts ms, tokens,
     prefill)}; recv_waits: [(stage, step, ms)]; fed_from: {step: [steps]} (written by newer engines);
-    results: {step: ms} when the engine had each result (the end of its micro-batch's async slice)."""
+    results: {step: ms} when the engine had each result (the end of its micro-batch's async slice);
+    predicted: {step: ms} the cost model's predictions (time budget runs)."""
     ev = [{"ph": "M", "pid": 1, "tid": 0, "name": "thread_name", "args": {"name": "engine"}}]
     for stage, spans in stage_spans.items():
         ev.append({"ph": "M", "pid": 1, "tid": 1 + stage, "name": "thread_name", "args": {"name": f"stage {stage}"}})
@@ -24,7 +25,7 @@ def _trace(stage_spans, submits, recv_waits=(), fed_from=None, results=None):
         ev.append({"ph": "X", "pid": 1, "tid": 1 + stage, "cat": "wait", "name": "recv wait",
                    "ts": 0.0, "dur": ms * 1e3, "args": {"step": step}})
     for step, (ts, tokens, prefill) in submits.items():
-        args = {"tokens": tokens, "seqs": 1, "prefill_tokens": prefill, "predicted_ms": 0}
+        args = {"tokens": tokens, "seqs": 1, "prefill_tokens": prefill, "predicted_ms": (predicted or {}).get(step, 0)}
         if fed_from is not None:
             args["fed_from"] = fed_from.get(step, [])
         ev.append({"ph": "i", "s": "t", "pid": 1, "tid": 0, "name": f"submit {step}", "ts": ts * 1e3, "args": args})
@@ -161,3 +162,22 @@ def test_decode_only_micro_batches_by_size():
     table = pipeline_gaps.format_decode_sizes([s0])
     assert "| stage 0 | 1-2 | 2 | 60.5% | 38.5% | 2.50 |" in table
     assert "| stage 0 | 32+ | 2 | 39.5% | 5.9% | 0.25 |" in table
+
+
+def test_uniformity_of_the_micro_batches_and_the_cost_models_predictions():
+    """Prompt-carrying spans of 10, 10 and 20 ms predicted at 5, 5 and 10 ms: the predictions track
+    the spans exactly (ratio 2, CV 0) although the spans vary; the decode-only span stands apart."""
+    submits = {0: (0, 512, 500), 1: (0, 512, 500), 2: (0, 40, 0), 3: (0, 512, 480)}
+    trace = _trace({0: [(0, 0, 10), (1, 10, 20), (2, 20, 24), (3, 24, 44)]}, submits,
+                   predicted={0: 5.0, 1: 5.0, 2: 1.0, 3: 10.0})
+    (s0,) = pipeline_gaps.analyze(trace, pp=1, feedback=False)
+    spans = [10, 10, 20]
+    mean = sum(spans) / 3
+    cv = (sum((x - mean) ** 2 for x in spans) / 3) ** 0.5 / mean
+    assert s0["with_prompt_cv"] == pytest.approx(cv)
+    assert s0["with_prompt_ratio_median"] == pytest.approx(2.0) and s0["with_prompt_ratio_cv"] == pytest.approx(0.0, abs=1e-9)
+    assert s0["decode_only_cv"] is None  # one decode-only span
+    assert "| stage 0 | 0.354 | 2.000, 0.000 | - |" in pipeline_gaps.format_uniformity([s0])
+    # a token-budget run predicts nothing
+    (plain,) = pipeline_gaps.analyze(_trace({0: [(0, 0, 10), (1, 10, 20)]}, submits), pp=1, feedback=False)
+    assert plain["with_prompt_ratio_median"] is None and plain["with_prompt_ratio_cv"] is None

@@ -4,28 +4,59 @@ import random
 import pytest
 
 from pipeserve.scheduler import CostModel
-from pipeserve.scheduler.cost_model import attention_work
+from pipeserve.scheduler.cost_model import Work, attention_work
 
 TRUE = dict(per_token=7e-5, per_attn=3e-9, per_seq=4e-6, fixed=2e-3)
+# The roofline's shape: weight reads floor the linear layers below 64 tokens, decodes read KV.
+MEMORY = dict(TRUE, per_kv=4e-8, knee_tokens=64.0)
 
 
-def synthetic_samples(coef, n=60, seed=0):
+def formula(coef, w: Work) -> float:
+    """The cost model written out independently of CostModel.predict."""
+    return (coef["per_token"] * max(w.num_tokens, coef.get("knee_tokens", 0.0)) + coef["per_attn"] * w.attn_work
+            + coef.get("per_kv", 0.0) * w.kv_tokens + coef["per_seq"] * w.num_seqs + coef["fixed"])
+
+
+def random_batch(rng: random.Random) -> list[tuple[int, int]]:
+    """A micro-batch as (computed before, scheduled) per sequence: decodes and maybe a chunk."""
+    seqs = [(rng.randint(16, 4000), 1) for _ in range(rng.randint(0, 64))]
+    if rng.random() < 0.7 or not seqs:
+        seqs.append((rng.choice([0, rng.randint(1, 3000)]), rng.randint(1, 1024)))
+    return seqs
+
+
+def synthetic_samples(coef, n=80, seed=0):
     rng = random.Random(seed)
-    samples = []
-    for _ in range(n):
-        num_tokens = rng.randint(1, 2048)
-        attn = rng.randint(0, 4_000_000)
-        num_seqs = rng.randint(1, 256)
-        t = (coef["per_token"] * num_tokens + coef["per_attn"] * attn
-             + coef["per_seq"] * num_seqs + coef["fixed"])
-        samples.append((num_tokens, attn, num_seqs, t))
-    return samples
+    return [(w, formula(coef, w)) for w in (Work.of(random_batch(rng)) for _ in range(n))]
 
 
-def test_fit_recovers_generating_coefficients():
-    fitted = CostModel.fit(synthetic_samples(TRUE)).to_dict()
-    for name, value in TRUE.items():
+def test_work_totals_match_their_definitions():
+    seqs = [(10, 4), (99, 1), (0, 7)]
+    w = Work.of(seqs)
+    assert (w.num_tokens, w.num_seqs) == (12, 3)
+    assert w.attn_work == 4 * 14 + 1 * 100 + 7 * 7 == sum(attention_work(c, q) for c, q in seqs)
+    assert w.kv_tokens == 14 + 100 + 7
+    assert Work().plus(10, 4).plus(99, 1).plus(0, 7) == w
+
+
+@pytest.mark.parametrize("coef", [TRUE, MEMORY], ids=["linear", "memory-terms"])
+def test_fit_recovers_generating_coefficients(coef):
+    fitted = CostModel.fit(synthetic_samples(coef)).to_dict()
+    for name, value in coef.items():
         assert fitted[name] == pytest.approx(value, rel=1e-6), name
+
+
+def test_three_feature_fit_leaves_out_the_memory_terms():
+    fitted = CostModel.fit(synthetic_samples(TRUE), memory_terms=False)
+    assert fitted.per_kv == fitted.knee_tokens == 0.0
+    assert fitted.per_attn == pytest.approx(TRUE["per_attn"], rel=1e-6)
+    # On data with decode KV reads it cannot fit them: the full model's error is far below its own.
+    samples = synthetic_samples(MEMORY, seed=3)
+
+    def worst(model):
+        return max(abs(model.predict(w) / t - 1) for w, t in samples)
+
+    assert worst(CostModel.fit(samples)) < 1e-6 < 0.05 < worst(CostModel.fit(samples, memory_terms=False))
 
 
 def test_fit_clamps_negative_coefficient_and_refits_the_rest():
@@ -39,19 +70,27 @@ def test_fit_clamps_negative_coefficient_and_refits_the_rest():
 
 
 def test_fit_rejects_collinear_samples():
-    samples = [(n, 0, 1, 1e-3 + 1e-4 * n) for n in range(1, 20)]
+    samples = [(Work(num_tokens=n, num_seqs=1), 1e-3 + 1e-4 * n) for n in range(1, 20)]
     with pytest.raises(ValueError):
         CostModel.fit(samples)
     with pytest.raises(ValueError):
         CostModel.fit([])
+    with pytest.raises(ValueError, match="positive"):
+        CostModel.fit([(Work.of([(0, 4)]), 0.0)])
 
 
 def test_predict_matches_formula():
-    model = CostModel(**TRUE)
-    expected = 7e-5 * 100 + 3e-9 * 5000 + 4e-6 * 3 + 2e-3
-    assert model.predict(100, 5000, 3) == pytest.approx(expected, rel=1e-12)
+    model = CostModel(**MEMORY)
+    for seqs in ([(0, 100), (5000, 1), (20, 1)], [(3000, 1)] * 8, []):
+        w = Work.of(seqs)
+        assert model.predict(w) == pytest.approx(formula(MEMORY, w), rel=1e-12)
     default = CostModel.analytic_default()
-    assert default.predict(0, 0, 0) == default.fixed > 0
+    assert default.predict(Work()) == default.fixed > 0
+
+
+def test_below_the_knee_tokens_cost_the_same():
+    model = CostModel(**MEMORY)
+    assert model.predict(Work(num_tokens=10)) == model.predict(Work(num_tokens=64)) < model.predict(Work(num_tokens=65))
 
 
 def test_attention_work_is_q_times_context():
@@ -60,11 +99,13 @@ def test_attention_work_is_q_times_context():
 
 
 def test_dict_round_trip_through_json():
-    model = CostModel(**TRUE)
+    model = CostModel(**MEMORY)
     assert CostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
 
 
 def test_from_dict_and_fields_validate():
+    # A profile from before the memory terms loads with them at 0.
+    assert CostModel.from_dict(TRUE) == CostModel(**TRUE, per_kv=0.0, knee_tokens=0.0)
     with pytest.raises(ValueError):
         CostModel.from_dict({"per_token": 1.0})
     with pytest.raises(ValueError):
@@ -73,3 +114,5 @@ def test_from_dict_and_fields_validate():
         CostModel(**dict(TRUE, fixed=-1.0))
     with pytest.raises(ValueError):
         CostModel(**dict(TRUE, per_attn=float("nan")))
+    with pytest.raises(ValueError):
+        CostModel(**dict(MEMORY, knee_tokens=-1.0))
