@@ -157,8 +157,14 @@ class BatchBuilder:
         return [r for r in self.running if r.num_remaining_tokens > 1 and unblocked(r)]
 
     def chunk_size(self, request: Request) -> int:
-        """Most tokens of ``request`` that fit this micro-batch's token (or time) budget."""
-        return self._fit(request, request.num_remaining_tokens)
+        """Most tokens of ``request`` that fit this micro-batch's token (or time) budget; with
+        a time budget and ``even_chunks``, the share of an even split of what is left into as
+        many chunks as full ones would take."""
+        remaining = request.num_remaining_tokens
+        n = self._fit(request, remaining)
+        if 0 < n < remaining and self.config.even_chunks and self.config.time_budget_s is not None:
+            n = -(-remaining // -(-remaining // n))
+        return n
 
     def fits_whole(self, request: Request) -> bool:
         """Can all of ``request``'s remaining tokens join (whole-prompt policies)?"""

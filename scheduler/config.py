@@ -34,6 +34,12 @@ class SchedulerConfig:
     """Sarathi only: fill each micro-batch up to this *predicted* time (cost model) instead of
     the token budget; max_num_batched_tokens still caps the tokens."""
 
+    even_chunks: bool = True
+    """With time_budget_s: cut a prompt into equal chunks, ceil(R / ceil(R / n)) tokens where n
+    fit the budget and R are left, instead of full chunks and a short remainder, so that a
+    prompt's micro-batches take equal time (the same number of them). The token budget keeps
+    Sarathi-Serve's rule."""
+
     cost_model_path: str | None = None
     """JSON profile written by `pipeserve profile` (CostModel coefficients). Read by the engine,
     never here; None with time_budget_s set means CostModel.analytic_default() (CPU scale)."""
@@ -92,7 +98,7 @@ class SchedulerConfig:
         if self.cost_model_path is not None and not isinstance(self.cost_model_path, str):
             raise ValueError(f"cost_model_path must be a path string, got {self.cost_model_path!r}")
         for name in ("allow_same_request_in_consecutive_chunks", "enable_prefix_caching", "prefix_grouping",
-                     "balance_decodes"):
+                     "balance_decodes", "even_chunks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.feedback_distance is not None and (

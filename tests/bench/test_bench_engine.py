@@ -4,6 +4,7 @@ prefill-first batching, the time budget from a profile, and a capacity search.""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -83,19 +84,29 @@ def test_profile_writes_a_fitted_cost_model(tiny_model, tmp_path, compose):
 
 def test_time_budget_fills_micro_batches_to_a_predicted_time(tiny_model, tmp_path):
     """With a profile, each chunk of a lone prompt is the longest whose predicted time fits the
-    budget: chunks shrink as the prefix (attention work) grows. Token mode keeps them equal."""
+    budget (or, with even chunks, an even share of what is left): chunks shrink as the prefix
+    (attention work) grows. Token mode keeps them equal."""
     coef = dict(per_token=1e-4, per_attn=1e-6, per_seq=0.0, fixed=1e-3)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"cost_model": coef}))
     cost = CostModel(**coef)
     budget = cost.predict(Work.of([(0, 48)]))
-    expected, done = [], 0
-    while done < 200:  # brute force: the largest q that fits
-        q = max(q for q in range(1, min(200 - done, BUDGET) + 1)
-                if q == 1 or cost.predict(Work.of([(done, q)])) <= budget)
-        expected.append(q)
-        done += q
-    assert expected[0] == 48 and expected[-2] < 40  # the premise: later chunks must shrink
+
+    def expected(even: bool) -> list[int]:
+        sizes, done = [], 0
+        while done < 200:  # brute force: the largest q that fits
+            q = max(q for q in range(1, min(200 - done, BUDGET) + 1)
+                    if q == 1 or cost.predict(Work.of([(done, q)])) <= budget)
+            left = 200 - done
+            if even and q < left:
+                q = math.ceil(left / math.ceil(left / q))
+            sizes.append(q)
+            done += q
+        return sizes
+
+    full, even = expected(False), expected(True)
+    assert full[0] == 48 and full[-2] < 40  # the premise: later chunks must shrink
+    assert even != full and max(even) - min(even) < max(full) - min(full)
 
     def chunks(**sched):
         bench = B.Bench(engine_config(tiny_model, "sarathi", **sched))
@@ -104,8 +115,11 @@ def test_time_budget_fills_micro_batches_to_a_predicted_time(tiny_model, tmp_pat
         bench.close()
         return [n for r in records for rid, start, n, _ in r.seqs if start < 200], records
 
+    timed, records = chunks(time_budget_s=budget, cost_model_path=str(path), even_chunks=False)
+    assert timed == full
+    assert all(r.predicted_time <= budget * (1 + 1e-9) for r in records)
     timed, records = chunks(time_budget_s=budget, cost_model_path=str(path))
-    assert timed == expected
+    assert timed == even
     assert all(r.predicted_time <= budget * (1 + 1e-9) for r in records)
     tokens, _ = chunks()
     assert tokens == [BUDGET, 200 - BUDGET]

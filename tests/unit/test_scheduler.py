@@ -303,7 +303,7 @@ def test_time_budget_fills_target_and_chunks_shrink_as_prefix_grows():
     budget = 2e-3
     sched = make_scheduler(
         num_blocks=64, max_model_len=256, max_num_batched_tokens=512, time_budget_s=budget,
-        cost_model=model,
+        cost_model=model, even_chunks=False,
     )
     (r,) = make_requests(200)
     sched.add_request(r)
@@ -322,6 +322,29 @@ def test_time_budget_fills_target_and_chunks_shrink_as_prefix_grows():
     assert sizes[0] == 17 and sizes[1] == 15
     assert all(a >= b for a, b in zip(sizes[:-1], sizes[1:-1]))
     assert sizes[-2] < sizes[0]
+
+
+def lone_prompt_chunks(**config) -> list[int]:
+    sched = make_scheduler(**{"num_blocks": 64, "max_model_len": 256, "max_num_batched_tokens": 512, **config})
+    (r,) = make_requests(200)
+    sched.add_request(r)
+    sizes = []
+    while not r.awaiting_token:
+        (s,) = sched.schedule().scheduled
+        sizes.append(s.num_scheduled_tokens)
+    return sizes
+
+
+def test_time_budget_even_chunks_split_a_prompt_equally():
+    """48 tokens fit the budget (1 ms a token): full chunks would leave an 8-token remainder;
+    even chunks cut the 200 tokens into as many (5) equal ones."""
+    flat = dict(time_budget_s=48e-3, cost_model=CostModel(per_token=1e-3, per_attn=0.0, per_seq=0.0, fixed=0.0))
+    assert lone_prompt_chunks(**flat, even_chunks=False) == [48, 48, 48, 48, 8]
+    assert lone_prompt_chunks(**flat) == [40, 40, 40, 40, 40]
+    # 7 chunks for 200 tokens at 30 a chunk: ceil(200 / 7) = 29, then what is left split again
+    assert lone_prompt_chunks(**dict(flat, time_budget_s=30e-3)) == [29, 29, 29, 29, 28, 28, 28]
+    # the token budget keeps Sarathi-Serve's full chunks
+    assert lone_prompt_chunks(max_num_batched_tokens=48) == [48, 48, 48, 48, 8]
 
 
 def test_time_budget_still_caps_tokens_and_always_makes_progress():
