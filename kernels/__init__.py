@@ -85,9 +85,18 @@ def batch_invariant_ops() -> KernelOps:
     )
 
 
-def kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool = False) -> KernelOps:
+def kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool = False,
+               split_decode: bool = True) -> KernelOps:
     """The op table for ``backend`` (auto | torch | triton) on ``device``; ``batch_invariant``
-    (deterministic serving) needs the Triton kernels."""
+    (deterministic serving) needs the Triton kernels; ``split_decode=False`` keeps small decode
+    batches to one attention program per sequence and KV head (no split-KV)."""
+    ops = _kernel_ops(backend, device, batch_invariant=batch_invariant)
+    if split_decode or ops.name != "triton":
+        return ops
+    return replace(ops, name="triton-unsplit-decode", paged_attention=functools.partial(ops.paged_attention, num_splits=1))
+
+
+def _kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool) -> KernelOps:
     if backend not in BACKENDS:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
     if batch_invariant:

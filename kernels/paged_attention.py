@@ -228,6 +228,7 @@ def paged_attention(
     scale: float,
     *,
     batch_invariant: bool = False,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context; returns [T, h, d].
 
@@ -252,6 +253,10 @@ def paged_attention(
     the device: then the grid is that list's length, nothing on the host is read, and a mixed
     batch is capturable too (a CUDA-graph runner fills the list per step; its unused items,
     sequence -1, return at once).
+
+    A decode-only batch too small to fill the GPU goes to ``paged_decode`` instead, each context
+    cut into ranges run by programs of their own (``num_splits``; None: ``decode_splits``
+    chooses from the batch's shape, 1 keeps this kernel). Never with ``batch_invariant``.
 
     ``batch_invariant``: a token's result is the same bits whatever its micro-batch held, where
     its prompt's chunks started and however many query heads share its KV head (``tile_config``:
@@ -286,6 +291,12 @@ def paged_attention(
     # sequences with more, over a padded batch: it always takes the mixed tiles).
     decode_only = T == num_seqs and work is None
     block_m, unmasked_tiles = tile_config(g, decode_only=decode_only, batch_invariant=batch_invariant)
+    if decode_only and not batch_invariant:
+        from pipeserve.kernels.paged_decode import decode_splits, paged_decode
+
+        splits = decode_splits(num_seqs, kvh, q.device) if num_splits is None else num_splits
+        if splits > 1:
+            return paged_decode(q, kv_cache, meta, scale, out=out, num_splits=splits, block_m=block_m)
     block_n, num_warps = 64, 4
     if work is not None:
         assert meta.work_block_m == block_m, f"work list made for {meta.work_block_m}-row tiles, not {block_m}"

@@ -123,6 +123,11 @@ class EngineConfig:
     up to 1024, …; the step is padded): launching an 8B stage's kernels one by one takes the
     host longer than the device needs to run a 512-token chunk. 0 = run them eagerly. Not in
     deterministic mode."""
+    split_decode_attention: bool = True
+    """Decode-only micro-batches too small to fill the GPU cut each context's keys into ranges
+    run by programs of their own, merged after (flash-decoding; ``kernels/paged_decode.py``):
+    otherwise a few decodes over long contexts leave most of the GPU idle. Triton kernels only,
+    never in deterministic mode. False: one program per sequence and KV head."""
     cuda_graphs_in_workers: bool = True
     """Capture in tp/pp workers too (TP all-reduces inside the graphs, pipeline sends outside;
     greedy outputs identical to eager on 2 × H200 for tp=2 and pp=2). Not in deterministic

@@ -153,7 +153,8 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def set_kernels(model: LlamaForCausalLM, config: EngineConfig, device: torch.device) -> None:
     """The engine's kernels on a loaded model: ``config.kernel_backend``, and in deterministic
     mode the batch-invariant kernels and layout-invariant linear layers."""
-    ops = kernel_ops(config.kernel_backend, device, batch_invariant=config.deterministic)
+    ops = kernel_ops(config.kernel_backend, device, batch_invariant=config.deterministic,
+                     split_decode=config.split_decode_attention)
     model.set_ops(ops, reduction_splits=config.effective_reduction_splits)
 
 

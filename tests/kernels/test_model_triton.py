@@ -193,6 +193,9 @@ def test_kernel_ops_selects_triton():
     if os.environ.get("TRITON_INTERPRET") == "1":
         assert kernel_ops("triton", cpu).name == "triton"
         assert kernel_ops("auto", cpu, batch_invariant=True).name == "triton-batch-invariant"
+        unsplit = kernel_ops("triton", cpu, split_decode=False)
+        assert unsplit.name == "triton-unsplit-decode" and unsplit.paged_attention.keywords == {"num_splits": 1}
+        assert kernel_ops("auto", cpu, split_decode=False).name == "torch"  # (nothing to split there)
     else:  # no interpreter (a GPU machine): Triton on the CPU device is refused
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             kernel_ops("triton", cpu)

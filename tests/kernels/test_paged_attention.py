@@ -95,11 +95,11 @@ def _to(meta: AttentionMetadata, device) -> AttentionMetadata:
     )
 
 
-def _run(q, kv_cache, meta, scale):
+def _run(q, kv_cache, meta, scale, **kwargs):
     """paged_attention, its output allocated where a NaN-filled buffer just was."""
     poison = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     del poison
-    return paged_attention(q, kv_cache, meta, scale)
+    return paged_attention(q, kv_cache, meta, scale, **kwargs)
 
 
 def _check(got, q, kv_cache, meta, scale, seed):
@@ -150,6 +150,37 @@ def test_decode_batch_with_padded_rows(num_heads, num_kv_heads, block_size):
     got = _run(q, kv_cache, meta, 0.125)
     assert torch.equal(got[len(seqs) :], torch.zeros_like(got[len(seqs) :])), f"seed {seed}"
     _check(got, q, kv_cache, meta, 0.125, seed)  # the reference gives zeros there too
+
+
+# Contexts either side of key-tile (64) edges, shorter than the ranges, and one range each.
+SPLIT_DECODES = [(1, 1), (1, 63), (1, 64), (1, 65), (1, 129), (1, 200), (1, 7), (1, 256)]
+
+
+@pytest.mark.parametrize("num_splits", [2, 4, 16])
+@pytest.mark.parametrize("block_size, num_heads, num_kv_heads", [(16, 9, 3), (32, 8, 2), (16, 4, 4)])
+def test_split_decode_matches_reference(num_splits, block_size, num_heads, num_kv_heads):
+    """Each context cut into ranges of whole key tiles (``paged_decode``): empty ranges, a
+    range ending mid-tile and padded rows (seq_len 0: zeros) all merge to the reference."""
+    seed = _seed()
+    case = dict(block_size=block_size, num_heads=num_heads, num_kv_heads=num_kv_heads)
+    q, kv_cache, meta = _random_case(SPLIT_DECODES, **case, head_dim=32, dtype=torch.float32, seed=seed, pad=2)
+    got = _run(q, kv_cache, meta, 0.2, num_splits=num_splits)
+    assert torch.equal(got[-2:], torch.zeros_like(got[-2:])), f"seed {seed}"
+    _check(got, q, kv_cache, meta, 0.2, seed)
+    if num_splits == 2:  # the unsplit kernel agrees too (a different order of the same sums)
+        one = _run(q, kv_cache, meta, 0.2, num_splits=1)
+        assert (one - got).abs().max().item() <= ATOL[torch.float32], f"seed {seed}"
+
+
+def test_decode_splits_depend_on_the_batch_shape_only():
+    from pipeserve.kernels.paged_decode import MAX_SPLITS, decode_splits
+
+    assert decode_splits(1, 8, torch.device("cpu")) == 1  # off CUDA: tests ask explicitly
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        splits = [decode_splits(n, 8, cuda) for n in (1, 4, 16, 64, 256)]
+        assert splits == sorted(splits, reverse=True) and splits[0] == MAX_SPLITS and splits[-1] == 1
+        assert all(s & (s - 1) == 0 for s in splits)
 
 
 def test_decode_batch_reads_only_device_metadata():
@@ -272,6 +303,24 @@ def test_gpu_decode_batch_matches_reference(num_heads, num_kv_heads, head_dim):
     got = _run(q, kv_cache, meta, 0.1)
     assert torch.equal(got[-3:], torch.zeros_like(got[-3:])), f"seed {seed}"
     _check(got, q, kv_cache, meta, 0.1, seed)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(32, 8), (28, 4)])
+def test_gpu_split_decode_of_a_few_long_contexts_matches_reference(num_heads, num_kv_heads):
+    """Few decodes over long contexts: the batch shape alone picks several ranges per context."""
+    from pipeserve.kernels.paged_decode import decode_splits
+
+    seed = _seed()
+    rng = random.Random(seed)
+    seqs = [(1, rng.randrange(3000, 4500)) for _ in range(3)] + [(1, 5)]
+    assert decode_splits(len(seqs) + 1, num_kv_heads, torch.device(DEVICE)) > 1
+    case = dict(block_size=16, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=128)
+    q, kv_cache, meta = _random_case(seqs, **case, dtype=torch.bfloat16, seed=seed, pad=1)
+    got = _run(q, kv_cache, meta, 128**-0.5)
+    assert torch.equal(got[-1:], torch.zeros_like(got[-1:])), f"seed {seed}"
+    _check(got, q, kv_cache, meta, 128**-0.5, seed)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,181 @@
+"""Split-KV paged attention for decode-only batches (flash-decoding), in two Triton launches.
+
+Semantics are those of ``paged_attention`` for a decode-only batch (every q_len 1): token i is
+sequence i's query at position ``seq_len - 1``, and it sees all of its ``seq_len`` keys.
+
+Why: ``paged_attention`` runs one program per (sequence, KV head) for a decode batch, each
+walking its whole context alone. A few decodes over long contexts then leave most of the GPU
+idle while a handful of programs walk thousands of keys one tile after another: on an H200 a
+32-layer Llama-3-8B step of one decode took 5.2 ms at 512 tokens of context and 8.3 ms at
+4,096, where reading that KV takes 0.1 ms (BENCHMARKS.md, the ninth session's profile). Here
+each (sequence, KV head) is cut into ``num_splits`` ranges of whole key tiles, each range a
+program of its own (``_split_kernel``: its partial softmax state, the max and sum in log2 units
+and the unnormalized output), and ``_combine_kernel`` merges a sequence's ranges.
+
+The launches depend only on the batch size, the head counts, ``num_splits`` and the tile sizes:
+each program reads its sequence's ``seq_len`` and block table from the device and computes its
+own range from them (a range past the context is empty: it stores m = -inf, l = 0), so the
+batch is CUDA-graph capturable as ``paged_attention``'s decode path is.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from pipeserve.kernels.attention_metadata import AttentionMetadata
+from pipeserve.kernels.paged_attention import _LOG2E, _attend_tile
+
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _split_kernel(
+    acc_ptr,
+    ml_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    split = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # Whole key tiles per range, so that only the range holding the context's end is masked.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+    full_end = tl.maximum(tl.minimum(end, seq_len // BLOCK_N * BLOCK_N), start)
+
+    rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]: the G query heads of this KV head, then padding
+    row_valid = rows < G
+    heads = kv_head * G + tl.where(row_valid, rows, 0)
+    dims = tl.arange(0, HEAD_DIM)
+    q_rows = seq.to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1  # every key < seq_len is visible
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head_off = kv_head.to(tl.int64) * stride_kh
+    for start_n in range(start, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
+            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(full_end, end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
+            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
+            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    # partials: acc [S, NUM_SPLITS, NUM_HEADS, HEAD_DIM], ml [2, S, NUM_SPLITS, NUM_HEADS]
+    part = (seq * NUM_SPLITS + split).to(tl.int64) * NUM_HEADS + heads  # [BLOCK_M]
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+    tl.store(ml_ptr + part, m_i, mask=row_valid)
+    tl.store(ml_ptr + tl.num_programs(0) * NUM_SPLITS * NUM_HEADS + part, l_i, mask=row_valid)
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr,
+    acc_ptr,
+    ml_ptr,
+    stride_ot,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM)
+    part = (seq * NUM_SPLITS + splits).to(tl.int64) * NUM_HEADS + head  # [NUM_SPLITS]
+    m = tl.load(ml_ptr + part)
+    l_part = tl.load(ml_ptr + tl.num_programs(0) * NUM_SPLITS * NUM_HEADS + part)
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, HEAD_DIM]
+    m_max = tl.max(m, 0)
+    # Empty ranges (m = -inf) weigh 0; a padded row (seq_len 0) has no range at all: output 0.
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.exp2(m - m_safe)  # [NUM_SPLITS]
+    l_sum = tl.sum(w * l_part, 0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0.0, 1.0, l_sum)  # [HEAD_DIM]
+    o = seq.to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Ranges per (sequence, KV head): enough programs for about two per SM, a power of two
+    (the combine's arange) up to MAX_SPLITS; 1 when the batch fills the GPU by itself, and off
+    CUDA (the interpreter's tests ask for splits explicitly). A function of the batch's shape
+    only, so a captured graph keeps it."""
+    if device.type != "cuda":
+        return 1
+    want = -(-2 * _num_sms(device) // max(1, num_seqs * num_kv_heads))
+    return min(MAX_SPLITS, triton.next_power_of_2(want)) if want > 1 else 1
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    out: torch.Tensor,
+    num_splits: int,
+    block_m: int,
+) -> torch.Tensor:
+    """Attention of a decode-only batch (``q`` [S, h, d], one token per sequence), each context
+    cut into ``num_splits`` ranges, into ``out`` [S, h, d] (returned). ``paged_attention``
+    checks the contract and calls this; ``block_m`` rows per program hold a KV head's query
+    heads."""
+    S, h, d = q.shape
+    _, _, block_size, kvh, _ = kv_cache.shape
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
+    g = h // kvh
+    assert block_m >= g, (block_m, g)
+    assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
+    acc = torch.empty((S, num_splits, h, d), dtype=torch.float32, device=q.device)
+    ml = torch.empty((2, S, num_splits, h), dtype=torch.float32, device=q.device)  # max, sum (log2)
+    _split_kernel[(S, num_splits, kvh)](
+        acc, ml, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, scale * _LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        meta.block_tables.stride(0),
+        NUM_HEADS=h, G=g, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
+        NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3,
+    )  # fmt: skip
+    _combine_kernel[(S, h)](
+        out, acc, ml, out.stride(0), out.stride(1), NUM_HEADS=h, HEAD_DIM=d, NUM_SPLITS=num_splits, num_warps=4,
+    )  # fmt: skip
+    return out
