@@ -135,14 +135,18 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Ranges per (sequence, KV head): enough programs for about two per SM, a power of two
-    (the combine's arange) up to MAX_SPLITS; 1 when the batch fills the GPU by itself, and off
-    CUDA (the interpreter's tests ask for splits explicitly). A function of the batch's shape
+    """Ranges per (sequence, KV head). A batch whose programs would occupy at least half the
+    SMs is left whole (1): at 32 decodes of Llama-3-8B on an H200 (256 programs) two ranges
+    each made the step slower (the ninth session's kv1 profile). Smaller ones get enough ranges
+    for about two programs per SM, a power of two (the combine's arange) up to MAX_SPLITS. Off
+    CUDA, 1 (the interpreter's tests ask for splits explicitly). A function of the batch's shape
     only, so a captured graph keeps it."""
     if device.type != "cuda":
         return 1
-    want = -(-2 * _num_sms(device) // max(1, num_seqs * num_kv_heads))
-    return min(MAX_SPLITS, triton.next_power_of_2(want)) if want > 1 else 1
+    programs, sms = max(1, num_seqs * num_kv_heads), _num_sms(device)
+    if 2 * programs > sms:
+        return 1
+    return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * sms // programs)))
 
 
 def paged_decode(
