@@ -93,7 +93,8 @@ def kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool = Fa
     ops = _kernel_ops(backend, device, batch_invariant=batch_invariant)
     if split_decode or ops.name != "triton":
         return ops
-    return replace(ops, name="triton-unsplit-decode", paged_attention=functools.partial(ops.paged_attention, num_splits=1))
+    unsplit = functools.partial(ops.paged_attention, num_splits=1)
+    return replace(ops, name="triton-unsplit-decode", paged_attention=unsplit)
 
 
 def _kernel_ops(backend: str, device: torch.device, *, batch_invariant: bool) -> KernelOps:

@@ -19,8 +19,9 @@ a CUDA graph too. A decode-only batch (T == num_seqs) uses small M tiles
 (16 rows, or g rounded up to a power of two: one tile per sequence and KV head) and never
 reads query_start_loc, so it can be captured in a CUDA graph (``batch_invariant``: 64-row
 tiles and one code path for every tile, see ``tile_config``). Tile sizes are untuned
-defaults (BLOCK_N 64; BLOCK_M 64 for mixed batches, 16 for decodes). There is no split-KV:
-a decode batch runs S * kvh programs, each over its whole context.
+defaults (BLOCK_N 64; BLOCK_M 64 for mixed batches, 16 for decodes). A decode batch runs S * kvh
+programs, each over its whole context; one too small to fill the GPU goes to ``paged_decode``
+(split-KV) instead. The per-tile online softmax both share is in ``attention_tiles``.
 """
 
 from __future__ import annotations
@@ -31,61 +32,8 @@ import triton
 import triton.language as tl
 
 from pipeserve.kernels.attention_metadata import AttentionMetadata
-
-_LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend_tile(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k_cache_ptr,
-    v_cache_ptr,
-    table_ptr,
-    kv_head_off,
-    start_n,
-    seq_len,
-    q_pos,
-    qk_scale,
-    stride_kb,
-    stride_ks,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    MASKED: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One BLOCK_N tile of keys: gather K/V through the block table, update the online softmax."""
-    k_pos = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    dims = tl.arange(0, HEAD_DIM)  # [HEAD_DIM]
-    in_ctx = k_pos < seq_len  # [BLOCK_N]; all True for an unmasked tile
-    if MASKED:
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=in_ctx, other=0)
-    else:
-        blocks = tl.load(table_ptr + k_pos // BLOCK_SIZE)
-    # [BLOCK_N] element offset of each key's row for this KV head
-    rows = blocks.to(tl.int64) * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks + kv_head_off
-    if MASKED:
-        k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None], mask=in_ctx[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :], mask=in_ctx[:, None], other=0.0)
-    else:
-        k = tl.load(k_cache_ptr + rows[None, :] + dims[:, None])  # [HEAD_DIM, BLOCK_N]
-        v = tl.load(v_cache_ptr + rows[:, None] + dims[None, :])  # [BLOCK_N, HEAD_DIM]
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-    if MASKED:
-        visible = (k_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
-        s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-    # A row that has seen no visible key yet keeps m = -inf; subtract 0 then, not -inf (NaN).
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)  # [BLOCK_M]
-    p = tl.exp2(s - m_safe[:, None])  # [BLOCK_M, BLOCK_N]
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return acc, m_new, l_i
-
+from pipeserve.kernels.attention_tiles import LOG2E, attend_keys
+from pipeserve.kernels.paged_decode import decode_splits, paged_decode
 
 @triton.jit
 def _paged_attention_kernel(
@@ -160,18 +108,10 @@ def _paged_attention_kernel(
     # takes depends on the chunk's start and the tile's rows, not on the token alone.
     full_end = (ctx_len + first_q + 1) // BLOCK_N * BLOCK_N * UNMASKED_TILES  # >= 0
     kv_end = ctx_len + last_q + 1  # <= seq_len
-    for start_n in range(0, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
-            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
-        )  # fmt: skip
-    for start_n in range(full_end, kv_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
-            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
-        )  # fmt: skip
+    acc, m_i, l_i = attend_keys(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, 0, full_end, kv_end,
+        seq_len, q_pos, qk_scale, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    )  # fmt: skip
 
     # A row with no visible key (a padded row with seq_len 0) has l = 0 and acc = 0: output 0.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -292,8 +232,6 @@ def paged_attention(
     decode_only = T == num_seqs and work is None
     block_m, unmasked_tiles = tile_config(g, decode_only=decode_only, batch_invariant=batch_invariant)
     if decode_only and not batch_invariant:
-        from pipeserve.kernels.paged_decode import decode_splits, paged_decode
-
         splits = decode_splits(num_seqs, kvh, q.device) if num_splits is None else num_splits
         if splits > 1:
             return paged_decode(q, kv_cache, meta, scale, out=out, num_splits=splits, block_m=block_m)
@@ -314,7 +252,7 @@ def paged_attention(
         meta.seq_lens,
         meta.query_start_loc,
         meta.seq_lens if work is None else work,  # (not read without a work list)
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from pipeserve.kernels.attention_metadata import AttentionMetadata
-from pipeserve.kernels.paged_attention import _LOG2E, _attend_tile
+from pipeserve.kernels.attention_tiles import LOG2E, attend_keys
 
 MAX_SPLITS = 16
 
@@ -80,18 +80,10 @@ def _split_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_kh
-    for start_n in range(start, full_end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
-            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, False, DOT_PRECISION,
-        )  # fmt: skip
-    for start_n in range(full_end, end, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start_n,
-            seq_len, q_pos, qk_scale, stride_kb, stride_ks,
-            BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, DOT_PRECISION,
-        )  # fmt: skip
+    acc, m_i, l_i = attend_keys(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start, full_end, end,
+        seq_len, q_pos, qk_scale, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+    )  # fmt: skip
 
     # partials: acc [S, NUM_SPLITS, NUM_HEADS, HEAD_DIM], ml [2, S, NUM_SPLITS, NUM_HEADS]
     part = (seq * NUM_SPLITS + split).to(tl.int64) * NUM_HEADS + heads  # [BLOCK_M]
@@ -135,18 +127,25 @@ def _num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Ranges per (sequence, KV head). A batch whose programs would occupy at least half the
-    SMs is left whole (1): at 32 decodes of Llama-3-8B on an H200 (256 programs) two ranges
-    each made the step slower (the ninth session's kv1 profile). Smaller ones get enough ranges
-    for about two programs per SM, a power of two (the combine's arange) up to MAX_SPLITS. Off
-    CUDA, 1 (the interpreter's tests ask for splits explicitly). A function of the batch's shape
-    only, so a captured graph keeps it."""
-    if device.type != "cuda":
+    """``split_count`` for a decode batch on ``device``; 1 off CUDA (the interpreter's tests ask
+    for splits explicitly)."""
+    return split_count(num_seqs * num_kv_heads, _num_sms(device)) if device.type == "cuda" else 1
+
+
+def split_count(num_programs: int, num_sms: int) -> int:
+    """Ranges per (sequence, KV head) for a decode batch of ``num_programs`` unsplit programs.
+
+    A batch whose programs would occupy at least half the SMs is left whole (1): at 32 decodes
+    of Llama-3-8B on an H200 (256 programs) two ranges each made the step slower (the ninth
+    session's call kv1). Smaller ones get at least two programs per SM (2-4: the count is
+    rounded up to a power of two, for the combine's arange), at most MAX_SPLITS ranges. It
+    depends on the batch's shape only, not on its contexts (a captured graph keeps it): short
+    contexts get mostly empty ranges, each a program that stores an empty state and returns.
+    """
+    num_programs = max(1, num_programs)
+    if 2 * num_programs > num_sms:
         return 1
-    programs, sms = max(1, num_seqs * num_kv_heads), _num_sms(device)
-    if 2 * programs > sms:
-        return 1
-    return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * sms // programs)))
+    return min(MAX_SPLITS, triton.next_power_of_2(-(-2 * num_sms // num_programs)))
 
 
 def paged_decode(
@@ -166,13 +165,15 @@ def paged_decode(
     S, h, d = q.shape
     _, _, block_size, kvh, _ = kv_cache.shape
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
+    assert meta.seq_lens.shape == (S,) and meta.block_tables.shape[0] == S, "one decode per sequence"
+    assert meta.work_list is None, "a work list is for mixed batches"
     g = h // kvh
-    assert block_m >= g, (block_m, g)
+    assert h % kvh == 0 and block_m >= g and block_m & (block_m - 1) == 0, (h, kvh, block_m)
     assert out.shape == q.shape and out.dtype == q.dtype, (out.shape, out.dtype)
     acc = torch.empty((S, num_splits, h, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((2, S, num_splits, h), dtype=torch.float32, device=q.device)  # max, sum (log2)
     _split_kernel[(S, num_splits, kvh)](
-        acc, ml, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, scale * _LOG2E,
+        acc, ml, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         meta.block_tables.stride(0),
         NUM_HEADS=h, G=g, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,

@@ -158,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                            block_size=args.block_size, dtype=dtype, device=device)
     runner = ModelRunner(loaded.model, kv_caches=kv, block_size=args.block_size, device=device)
     profiler = Profiler(runner, block_size=args.block_size, vocab_size=cfg.vocab_size, device=device)
-    sleep = DeviceSleep(device)
+    sleep = profiler.sleep
     paths = [Path(runner)]
     if graphs_enabled(max_batch=64, max_tokens=512, device=device, ops_name=loaded.model.ops.name):
         # The cases' buckets: 64 decodes, 512 tokens (and every smaller bucket, as a server has).

@@ -65,6 +65,9 @@ class ProfileOptions:
         return prefill + decode + mixed
 
 
+_HEAD_START_S, _MAX_HEAD_START_S = 0.05, 1.0
+
+
 class DeviceSleep:
     """Queues a sleep of about ``seconds`` on the current CUDA stream (a no-op on CPU), so that
     the host can queue work behind it and the device then runs that work back to back."""
@@ -91,8 +94,8 @@ class Profiler:
     def __init__(self, runner: ModelRunner, *, block_size: int, vocab_size: int, device: torch.device) -> None:
         self.runner, self.block_size, self.vocab, self.device = runner, block_size, vocab_size, device
         self._gen = torch.Generator().manual_seed(0)
-        self._head_start = 0.05  # seconds of device sleep queued before a timed step (grows if short)
-        self._sleep = DeviceSleep(device)
+        self._head_start = _HEAD_START_S  # device sleep queued before a timed step (grows if short)
+        self.sleep = DeviceSleep(device)
 
     def step(self, seqs: list[tuple[int, int]]) -> StepInputs:
         """Sequence i attends over `prefix` cached tokens plus its `q` new ones; blocks are laid out
@@ -137,9 +140,9 @@ class Profiler:
         return time.perf_counter() - t0
 
     def _device_time(self, step: StepInputs) -> float:
-        for _ in range(8):
+        for _ in range(4):
             self.sync()
-            self._sleep(self._head_start)
+            self.sleep(self._head_start)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             t0 = time.perf_counter()
             start.record()
@@ -148,10 +151,11 @@ class Profiler:
             launch = time.perf_counter() - t0
             end.synchronize()
             if launch < 0.5 * self._head_start:  # queued whole while the device slept
+                self._head_start = max(_HEAD_START_S, self._head_start / 2)  # (one slow launch: back down)
                 return start.elapsed_time(end) / 1e3
-            self._head_start *= 4  # the host caught up with the device: give it a longer start
-        raise RuntimeError(f"launching a step took the host {launch:.3f} s even behind a long device sleep"
-                           " (something in the step synchronizes)")
+            self._head_start = min(4 * self._head_start, _MAX_HEAD_START_S)  # the host caught up: start earlier
+        raise RuntimeError(f"launching a step took the host {launch:.3f} s even behind a {self._head_start:.1f} s"
+                           " device sleep (something in the step synchronizes)")
 
     def sync(self) -> None:
         if self.device.type == "cuda":
@@ -159,6 +163,7 @@ class Profiler:
 
 
 def relative_errors(model: CostModel, samples: list[tuple[Work, float]]) -> dict[str, float]:
+    """Mean and max of |predicted / measured - 1| over the samples."""
     errors = [abs(model.predict(w) - t) / t for w, t in samples]
     return {"mean": statistics.fmean(errors), "max": max(errors)}
 

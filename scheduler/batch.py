@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig
-from .cost_model import CostModel, Work
+from .cost_model import CostModel, Work, attention_work
 from .request import Request, RequestStatus
 
 VictimSelector = Callable[[list[Request]], "Request | None"]
@@ -111,7 +111,8 @@ class BatchBuilder:
         self.scheduled: list[ScheduledRequest] = []
         self.preempted: list[str] = []
         self.num_tokens = 0
-        self.work = Work()  # the cost model's totals (tracked only with a cost model)
+        self.attn_work = 0  # the cost model's other totals (tracked only with a cost model)
+        self.kv_tokens = 0
         # Whole-prompt policies may admit one prompt over the token budget (see config).
         self.num_over_budget_tokens = 0
         self._num_admitted = 0
@@ -158,12 +159,11 @@ class BatchBuilder:
 
     def chunk_size(self, request: Request) -> int:
         """Most tokens of ``request`` that fit this micro-batch's token (or time) budget; with
-        a time budget and ``even_chunks``, the share of an even split of what is left into as
-        many chunks as full ones would take."""
+        a time budget and ``even_chunks``, its share of an even split (``_even_chunk``)."""
         remaining = request.num_remaining_tokens
         n = self._fit(request, remaining)
         if 0 < n < remaining and self.config.even_chunks and self.config.time_budget_s is not None:
-            n = -(-remaining // -(-remaining // n))
+            n = self._even_chunk(request.num_computed_tokens, remaining, n)
         return n
 
     def fits_whole(self, request: Request) -> bool:
@@ -202,7 +202,11 @@ class BatchBuilder:
     def predicted_time(self) -> float:
         if self.cost_model is None:
             return 0.0
-        return self.cost_model.predict(self.work)
+        return self.cost_model.predict(self.work())
+
+    def work(self) -> Work:
+        """The cost model's totals of what is scheduled so far."""
+        return Work(self.num_tokens, self.attn_work, self.kv_tokens, self.num_seqs)
 
     # ---- moves ----------------------------------------------------------------------------
 
@@ -362,7 +366,8 @@ class BatchBuilder:
             request.sample_step = self.step_id
         self.num_tokens += num_tokens
         if self.cost_model is not None:
-            self.work = self.work.plus(computed, num_tokens)
+            self.attn_work += attention_work(computed, num_tokens)
+            self.kv_tokens += context_len
 
     def _may_exceed_budget(self) -> bool:
         # Whole-prompt policies may add one prompt over the budget (with decodes); chunking
@@ -390,16 +395,40 @@ class BatchBuilder:
     def _arrival_key(self, request: Request) -> int:
         return self._arrival_order[request.request_id]
 
+    def _even_chunk(self, num_computed: int, remaining: int, n: int) -> int:
+        """ceil(remaining / k), where k chunks are what full ones (``n`` now, then the most that
+        fit at each later prefix) would take, if each chunk of that even split fits too; else
+        ``n``. Later chunks are judged beside what this micro-batch holds besides the request
+        (the best guess of the micro-batches to come), so the split never takes more chunks
+        than filling each one would: with an attention term a later chunk fits fewer tokens,
+        and an even split of the tokens alone would need one more."""
+        budget = self.config.time_budget_s
+        limit = self.config.max_num_batched_tokens - self.num_tokens
+        assert budget is not None and self.cost_model is not None
+        k, computed, left = 1, num_computed + n, remaining - n
+        while left > 0:
+            q = self._largest_within_time(computed, min(left, limit), budget)
+            if q == 0:
+                return n
+            k, computed, left = k + 1, computed + q, left - q
+        computed, left, base = num_computed, remaining, self.work()
+        for i in range(k):  # the even split's chunks, each on its own
+            q = -(-left // (k - i))
+            if q > limit or self.cost_model.predict(base.plus(computed, q)) > budget:
+                return n
+            computed, left = computed + q, left - q
+        return -(-remaining // k)
+
     def _largest_within_time(self, num_computed: int, limit: int, budget: float) -> int:
         """Largest q in [0, limit] whose batch prediction stays within ``budget`` (bisection).
 
         Predicted time grows with q (coefficients are >= 0), so the predicate is monotone.
         """
         assert self.cost_model is not None
-        model, lo, hi = self.cost_model, 0, limit
+        model, base, lo, hi = self.cost_model, self.work(), 0, limit
 
         def fits(q: int) -> bool:
-            return model.predict(self.work.plus(num_computed, q)) <= budget
+            return model.predict(base.plus(num_computed, q)) <= budget
 
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -41,8 +41,9 @@ class Work:
 
     def plus(self, num_computed_tokens: int, num_scheduled_tokens: int) -> Work:
         """These totals with one more sequence's chunk."""
-        q, ctx = num_scheduled_tokens, num_computed_tokens + num_scheduled_tokens
-        return Work(self.num_tokens + q, self.attn_work + q * ctx, self.kv_tokens + ctx, self.num_seqs + 1)
+        q = num_scheduled_tokens
+        return Work(self.num_tokens + q, self.attn_work + attention_work(num_computed_tokens, q),
+                    self.kv_tokens + num_computed_tokens + q, self.num_seqs + 1)
 
     @classmethod
     def of(cls, seqs: Iterable[tuple[int, int]]) -> Work:
@@ -142,17 +143,19 @@ class CostModel:
         if any(not (t > 0) for _, t in samples):
             raise ValueError("every sample needs a positive time")
         best: tuple[float, CostModel] | None = None
+        failure: ValueError | None = None
         for knee in cls._knee_candidates(samples) if memory_terms else [0.0]:
             try:
                 model = cls._fit_at(samples, knee, memory_terms)
-            except ValueError:
-                if knee == 0:
-                    raise  # the samples do not determine the model at all
+            except ValueError as e:  # (e.g. no sample above this knee: per_token undetermined)
+                failure = failure or e
                 continue
             error = sum((model.predict(w) / t - 1) ** 2 for w, t in samples)
             if best is None or error < best[0]:
                 best = (error, model)
-        assert best is not None
+        if best is None:
+            assert failure is not None
+            raise failure
         return best[1]
 
     @classmethod
@@ -211,7 +214,7 @@ def _least_squares(
     return {j: wj / s for j, wj, s in zip(cols, w, scale)}
 
 
-_COLUMN_NAMES = ("num_tokens", "attn_work", "num_seqs", "constant", "kv_tokens", "below the knee")
+_COLUMN_NAMES = ("num_tokens", "attn_work", "num_seqs", "constant", "kv_tokens", "knee floor")
 
 
 def _solve(a: list[list[float]], b: list[float], names: list[str]) -> list[float]:
@@ -224,7 +227,7 @@ def _solve(a: list[list[float]], b: list[float], names: list[str]) -> list[float
         if abs(m[pivot][col]) <= tol:
             raise ValueError(
                 f"samples do not determine the {names[col]} coefficient"
-                " (collinear features); vary num_tokens, attn_work and num_seqs independently"
+                " (collinear features); vary num_tokens, attn_work, kv_tokens and num_seqs independently"
             )
         m[col], m[pivot] = m[pivot], m[col]
         for r in range(col + 1, n):

@@ -4,7 +4,6 @@ prefill-first batching, the time budget from a profile, and a capacity search.""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -84,29 +83,20 @@ def test_profile_writes_a_fitted_cost_model(tiny_model, tmp_path, compose):
 
 def test_time_budget_fills_micro_batches_to_a_predicted_time(tiny_model, tmp_path):
     """With a profile, each chunk of a lone prompt is the longest whose predicted time fits the
-    budget (or, with even chunks, an even share of what is left): chunks shrink as the prefix
-    (attention work) grows. Token mode keeps them equal."""
+    budget: chunks shrink as the prefix (attention work) grows. Even chunks take as many, within
+    the budget, and vary less. Token mode keeps them equal."""
     coef = dict(per_token=1e-4, per_attn=1e-6, per_seq=0.0, fixed=1e-3)
     path = tmp_path / "profile.json"
     path.write_text(json.dumps({"cost_model": coef}))
     cost = CostModel(**coef)
     budget = cost.predict(Work.of([(0, 48)]))
-
-    def expected(even: bool) -> list[int]:
-        sizes, done = [], 0
-        while done < 200:  # brute force: the largest q that fits
-            q = max(q for q in range(1, min(200 - done, BUDGET) + 1)
-                    if q == 1 or cost.predict(Work.of([(done, q)])) <= budget)
-            left = 200 - done
-            if even and q < left:
-                q = math.ceil(left / math.ceil(left / q))
-            sizes.append(q)
-            done += q
-        return sizes
-
-    full, even = expected(False), expected(True)
+    full, done = [], 0
+    while done < 200:  # brute force: the largest q that fits
+        q = max(q for q in range(1, min(200 - done, BUDGET) + 1)
+                if q == 1 or cost.predict(Work.of([(done, q)])) <= budget)
+        full.append(q)
+        done += q
     assert full[0] == 48 and full[-2] < 40  # the premise: later chunks must shrink
-    assert even != full and max(even) - min(even) < max(full) - min(full)
 
     def chunks(**sched):
         bench = B.Bench(engine_config(tiny_model, "sarathi", **sched))
@@ -115,11 +105,11 @@ def test_time_budget_fills_micro_batches_to_a_predicted_time(tiny_model, tmp_pat
         bench.close()
         return [n for r in records for rid, start, n, _ in r.seqs if start < 200], records
 
-    timed, records = chunks(time_budget_s=budget, cost_model_path=str(path), even_chunks=False)
+    timed, records = chunks(time_budget_s=budget, cost_model_path=str(path))
     assert timed == full
     assert all(r.predicted_time <= budget * (1 + 1e-9) for r in records)
-    timed, records = chunks(time_budget_s=budget, cost_model_path=str(path))
-    assert timed == even
+    even, records = chunks(time_budget_s=budget, cost_model_path=str(path), even_chunks=True)
+    assert sum(even) == 200 and len(even) == len(full) and max(even) - min(even) < max(full) - min(full)
     assert all(r.predicted_time <= budget * (1 + 1e-9) for r in records)
     tokens, _ = chunks()
     assert tokens == [BUDGET, 200 - BUDGET]

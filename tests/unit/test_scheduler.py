@@ -11,6 +11,7 @@ from pipeserve.scheduler import (
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
+    Work,
 )
 
 # ---- cheap builders ---------------------------------------------------------------------------
@@ -339,12 +340,43 @@ def test_time_budget_even_chunks_split_a_prompt_equally():
     """48 tokens fit the budget (1 ms a token): full chunks would leave an 8-token remainder;
     even chunks cut the 200 tokens into as many (5) equal ones."""
     flat = dict(time_budget_s=48e-3, cost_model=CostModel(per_token=1e-3, per_attn=0.0, per_seq=0.0, fixed=0.0))
-    assert lone_prompt_chunks(**flat, even_chunks=False) == [48, 48, 48, 48, 8]
-    assert lone_prompt_chunks(**flat) == [40, 40, 40, 40, 40]
+    assert lone_prompt_chunks(**flat) == [48, 48, 48, 48, 8]  # (off by default)
+    assert lone_prompt_chunks(**flat, even_chunks=True) == [40, 40, 40, 40, 40]
     # 7 chunks for 200 tokens at 30 a chunk: ceil(200 / 7) = 29, then what is left split again
-    assert lone_prompt_chunks(**dict(flat, time_budget_s=30e-3)) == [29, 29, 29, 29, 28, 28, 28]
+    assert lone_prompt_chunks(**dict(flat, time_budget_s=30e-3), even_chunks=True) == [29, 29, 29, 29, 28, 28, 28]
     # the token budget keeps Sarathi-Serve's full chunks
-    assert lone_prompt_chunks(max_num_batched_tokens=48) == [48, 48, 48, 48, 8]
+    assert lone_prompt_chunks(max_num_batched_tokens=48, even_chunks=True) == [48, 48, 48, 48, 8]
+
+
+def test_even_chunks_never_take_more_micro_batches():
+    """With an attention term a later chunk fits fewer tokens: an even split of the tokens at the
+    first chunk's size would need one more chunk. Even chunks keep the count of full ones, each
+    within the budget, and vary less."""
+    model = CostModel(per_token=1e-4, per_attn=1e-6, per_seq=0.0, fixed=1e-3)
+    budget = model.predict(Work.of([(0, 48)]))
+    full = lone_prompt_chunks(time_budget_s=budget, cost_model=model)
+    even = lone_prompt_chunks(time_budget_s=budget, cost_model=model, even_chunks=True)
+    assert sum(even) == sum(full) == 200 and len(even) == len(full) == 7
+    assert max(even) - min(even) < max(full) - min(full) and min(even) > min(full)
+    done = 0
+    for q in even:
+        assert model.predict(Work.of([(done, q)])) <= budget
+        done += q
+
+
+def test_predicted_time_counts_every_sequence_of_the_batch():
+    """The builder's running totals (tokens, q * ctx, context read, sequences) give the same
+    prediction as the scheduled sequences' totals, decodes beside a chunk, knee and per_kv on."""
+    model = CostModel(per_token=1e-4, per_attn=1e-7, per_kv=1e-6, per_seq=1e-5, fixed=1e-3, knee_tokens=20.0)
+    sched = make_scheduler(num_blocks=256, max_num_batched_tokens=64, time_budget_s=1.0, cost_model=model)
+    for r in make_requests(30, 12, 50):
+        sched.add_request(r)
+    for _ in range(12):
+        out = sched.schedule()
+        seqs = [(s.num_computed_tokens, s.num_scheduled_tokens) for s in out.scheduled]
+        assert out.predicted_time == pytest.approx(model.predict(Work.of(seqs)), rel=1e-12)
+        sched.update(out, sample_all(out))
+    assert any(s.num_scheduled_tokens == 1 for s in out.scheduled)  # decodes were in the batches
 
 
 def test_time_budget_still_caps_tokens_and_always_makes_progress():
