@@ -7,13 +7,15 @@ and a decode-only step at batch 64 against the weight-read floor.
   ``ModelShape.bytes_moved``) / the measured device-to-device copy bandwidth (bytes read and
   written, 2 GiB buffers). Target: the step within 1.25× of it.
 
-Each step goes through the engine's ModelRunner (forward, logits, greedy sampling) exactly as
-serving runs it, CUDA graphs included; the fastest of ``--repeats`` timed runs counts.
+Each step goes through the engine's ModelRunner (forward and logits, then an argmax for greedy
+sampling) as serving runs it, CUDA graphs included, and is timed on the device
+(``Profiler.time``: between CUDA events, the step queued whole behind a device sleep); the
+fastest of ``--repeats`` timed runs counts.
 
 ``--profile`` then runs each step again under torch.profiler and splits its GPU kernel time
 into GEMM / attention / norm / rope / silu·mul / KV write / other (by kernel name), against the
-step's timed wall time (the gap: launch and host overhead, or an idle GPU), with the GEMMs'
-own rate: TFLOP/s in prefill, GB/s of weights in decode (and the attention's GB/s of KV).
+step's timed device time (the gap: the device idle between kernels), with the GEMMs' own rate:
+TFLOP/s in prefill, GB/s of weights in decode (and the attention's GB/s of KV).
 
     python -m pipeserve.launch.roofline --tokenizer gpt2_tokenizer.json [--profile] [--out roofline.json]
 """
@@ -88,7 +90,7 @@ def profiled_kernels(profiler: Profiler, seqs: list[tuple[int, int]], runs: int 
 
     cuda = profiler.device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        profiler.time(seqs, runs - 1)  # the step `runs` times: one warm-up, runs - 1 timed
+        profiler.run(seqs, runs)
     micros = defaultdict(float)
     for e in prof.events():
         if getattr(e, "is_user_annotation", False):  # a record_function range, on the GPU too: no kernel
@@ -105,7 +107,7 @@ def profile_cases(profiler: Profiler, cases: dict, rows: dict, shape: M.ModelSha
     for name, seqs in cases.items():
         kernels = profiled_kernels(profiler, seqs)
         cats = group_kernel_times(kernels)
-        prof = {"categories_s": cats, "kernel_s": sum(cats.values()), "wall_s": rows[name]["seconds"],
+        prof = {"categories_s": cats, "kernel_s": sum(cats.values()), "timed_s": rows[name]["seconds"],
                 "top_kernels": [[n, t, kernel_category(n)] for n, t in kernels[:12]]}
         gemm_s, attn_s = cats["GEMM"] or float("nan"), cats["attention"] or float("nan")
         if name.startswith("prefill"):  # the weights' matmuls and the LM head: attention work 0
@@ -119,14 +121,14 @@ def profile_cases(profiler: Profiler, cases: dict, rows: dict, shape: M.ModelSha
 
 
 def format_profile(name: str, prof: dict) -> str:
-    wall, kernel = prof["wall_s"], prof["kernel_s"]
+    wall, kernel = prof["timed_s"], prof["kernel_s"]
     gap = wall - kernel
     if "gemm_tflops" in prof:
         rate = f"GEMM {prof['gemm_tflops']:.0f} TFLOP/s"
     else:
         rate = f"GEMM {prof['gemm_GBps']:,.0f} GB/s of weights, attention {prof['attention_GBps']:,.0f} GB/s of KV"
     lines = [f"\n{name}: kernels {kernel * 1e3:.3f} ms of the timed {wall * 1e3:.3f} ms; gap {gap * 1e3:.3f} ms"
-             f" ({gap / wall:.0%}: launch/host overhead or idle GPU); {rate}",
+             f" ({gap / wall:.0%}: the device idle between kernels); {rate}",
              "| kernels | ms | share of kernel time |", "|---|---|---|"]
     for cat, t in prof["categories_s"].items():
         lines.append(f"| {cat} | {t * 1e3:.3f} | {t / kernel if kernel else 0:.1%} |")
