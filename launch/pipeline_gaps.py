@@ -42,7 +42,12 @@ construction; the large ones show what a full pipeline of decodes loses per micr
 
 A fourth table says how uniform the compute was: the coefficient of variation of the spans of
 micro-batches carrying prompt tokens (those a token or time budget fills) and of decode-only
-ones, and with a time budget, the median and CV of span / predicted time per micro-batch.
+ones, and with a time budget, the median and CV of span / predicted time per micro-batch. Its
+last column is the idle before micro-batches within ``pp`` steps of a switch between the two
+kinds (the engine's step order): where a long micro-batch follows short ones the stage after
+waits for the difference, and where a short one follows, the stage before does (with token
+feedback, one step later), so each prompt that arrives into decode-only steps costs about one
+difference on each stage.
 
 Given a run directory whose ``result.json`` holds the workers' host summaries, a fifth table
 gives each rank's host time per step from the forward's first launch to its last (eager and
@@ -132,6 +137,11 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
         i = bisect.bisect_right(results, submit[step][0] + _EPS_S)
         return submit[step][0] - results[i - 1] if i else None
 
+    def carries_prompt(step: int) -> bool:
+        return submit[step][2] > 0
+
+    ordered = sorted(submit)
+    num_switches = sum(carries_prompt(a) != carries_prompt(b) for a, b in itertools.pairwise(ordered))
     rows = []
     for index, tid in enumerate(lanes):
         spans = compute[tid]
@@ -139,6 +149,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
         idle = {"previous stage": 0.0, "fed tokens": 0.0, "plan": 0.0, "host": 0.0}
         decode_idle = dict.fromkeys(idle, 0.0)  # the part of each before a decode-only micro-batch
         num_plan_gaps, reactions = 0, []  # plan gaps; the engine's time from its newest result to each submit
+        switch_idle = 0.0  # idle before steps within pp of a switch between prompt-carrying and decode-only
         by_size: dict[str, list[float]] = {}  # decode-only size bucket -> [steps, busy s, idle before s]
         for step in spans:
             if step in submit and submit[step][2] == 0:
@@ -153,6 +164,8 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             decode_only = step in submit and submit[step][2] == 0
             if decode_only:
                 by_size[_size_bucket(submit[step][1])][2] += gap
+            if len({carries_prompt(k) for k in range(step - pp, step + 1) if k in submit}) > 1:
+                switch_idle += gap
             wait = min(recv[tid].get(step, 0.0), gap)
             idle["previous stage"] += wait
             decode_idle["previous stage"] += wait * decode_only
@@ -186,6 +199,7 @@ def analyze(trace: dict, *, pp: int, feedback: bool) -> list[dict]:
             **dict(zip(("median_decode_only_ms", "median_decode_only_after_queued_ms"),
                        _medians_ms(decode, durations, after_queued[tid]))),
             "imbalance": statistics.fmean(shares) if shares else None,
+            "idle_near_switch_s": switch_idle, "num_switches": num_switches,
             "with_prompt_cv": coefficient_of_variation([durations[s] for s in mixed]),
             "decode_only_cv": coefficient_of_variation([durations[s] for s in decode]),
             **_prediction_ratios(mixed, durations, predicted),
@@ -270,11 +284,14 @@ def format_uniformity(rows: Sequence[dict]) -> str:
     tokens (the ones a budget fills) and of the decode-only ones, and, with a time budget, how
     the spans track the cost model's predictions."""
     num = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-    lines = ["| lane | with prompt: span CV | span / predicted: median, CV | decode only: span CV |",
-             "|---|---|---|---|"]
+    lines = ["| lane | with prompt: span CV | span / predicted: median, CV | decode only: span CV"
+             " | idle near a prompt/decode switch: share of wall, ms per switch (switches) |", "|---|---|---|---|---|"]
     for r in rows:
+        w, n = r["wall_s"], r["num_switches"]
+        near = (f"{r['idle_near_switch_s'] / w:.1%}, {r['idle_near_switch_s'] / n * 1e3:.2f} ({n})"
+                if w > 0 and n else "-")
         lines.append(f"| {r['lane']} | {num(r['with_prompt_cv'], '.3f')} | {num(r['with_prompt_ratio_median'], '.3f')}, "
-                     f"{num(r['with_prompt_ratio_cv'], '.3f')} | {num(r['decode_only_cv'], '.3f')} |")
+                     f"{num(r['with_prompt_ratio_cv'], '.3f')} | {num(r['decode_only_cv'], '.3f')} | {near} |")
     return "\n".join(lines)
 
 

@@ -181,3 +181,21 @@ def test_uniformity_of_the_micro_batches_and_the_cost_models_predictions():
     # a token-budget run predicts nothing
     (plain,) = pipeline_gaps.analyze(_trace({0: [(0, 0, 10), (1, 10, 20)]}, submits), pp=1, feedback=False)
     assert plain["with_prompt_ratio_median"] is None and plain["with_prompt_ratio_cv"] is None
+
+
+def test_idle_near_a_switch_between_prompt_and_decode_micro_batches():
+    """Decodes (2 ms), two prompt-carrying steps (6 ms), decodes again, pp=2 with feedback: stage 1
+    waits 4 ms for the first long step, stage 0 waits 4 ms for the ids of the last long one
+    (fed into step 5); both gaps lie within pp steps of a switch (there are two)."""
+    dec, pro = (0, 4, 0), (0, 512, 500)
+    submits = {0: dec, 1: dec, 2: pro, 3: pro, 4: dec, 5: dec, 6: dec}
+    trace = _trace({0: [(0, 0, 2), (1, 2, 4), (2, 4, 10), (3, 10, 16), (4, 16, 18), (5, 22, 24), (6, 24, 26)],
+                    1: [(0, 2, 4), (1, 4, 6), (2, 10, 16), (3, 16, 22), (4, 22, 24), (5, 24, 26), (6, 26, 28)]},
+                   submits, recv_waits=[(1, 2, 4.0)], fed_from={4: [2], 5: [3], 6: [4]})
+    s0, s1 = pipeline_gaps.analyze(trace, pp=2, feedback=True)
+    ms = lambda x: pytest.approx(x / 1e3, abs=1e-9)  # noqa: E731
+    assert s0["num_switches"] == s1["num_switches"] == 2
+    assert s0["idle_near_switch_s"] == ms(4) and s0["idle_fed_tokens_s"] == ms(4)
+    assert s1["idle_near_switch_s"] == ms(4) and s1["idle_previous_stage_s"] == ms(4)
+    table = pipeline_gaps.format_uniformity([s0, s1])
+    assert "| 15.4%, 2.00 (2) |" in table
