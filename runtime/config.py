@@ -50,8 +50,14 @@ class ParallelConfig:
     2 × H100 (Llama-3-8B shape, a 50k vocabulary) it gave 8.5%/8.1% bubbles against 8.3–8.9% /
     6.5–7.3% without it in other calls, within the calls' spread (BENCHMARKS.md, eighth
     session); a same-call comparison is still to be made."""
-    stage_layers: list[int] | None = None
-    """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers)."""
+    stage_layers: list[float] | None = None
+    """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers);
+    with ``half_layer_stages`` in multiples of 0.5 (e.g. [16.5, 15.5])."""
+    half_layer_stages: bool = False
+    """Stage boundaries may fall between a layer's attention and its MLP, so the plan balances
+    the stages in half layers (``parallel/stage_plan.py``, ``plan_half_layers``): with whole
+    layers a last stage whose head is worth most of a layer is slower by it on every decode
+    step, and the others wait. The residual stream still travels as one tensor."""
     host: str | None = None
     """Address the engine binds its ZeroMQ sockets to; None = 127.0.0.1 on one node, the
     rendezvous host's interface (torchrun's MASTER_ADDR) across nodes. Never all interfaces."""

@@ -52,10 +52,14 @@ def load_model(
     load_format: str = "auto",
     parallel: ParallelContext | None = None,
     head_rows: int = 0,
+    first_mlp_only: bool = False,
+    last_attention_only: bool = False,
 ) -> LoadedModel:
     """Layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
     process), reading only that slice of the checkpoint; on a first stage, ``head_rows`` of
-    the LM head too (split sampling, ``parallel/split_head.py``)."""
+    the LM head too (split sampling, ``parallel/split_head.py``). ``first_mlp_only`` /
+    ``last_attention_only``: a stage boundary inside the first / last layer
+    (``parallel.stage_plan.StageLayers``)."""
     path = resolve_model_path(model)
     shard = {
         "dtype": dtype,
@@ -64,6 +68,8 @@ def load_model(
         "end_layer": end_layer,
         "parallel": parallel,
         "head_rows": head_rows,
+        "first_mlp_only": first_mlp_only,
+        "last_attention_only": last_attention_only,
     }
     if load_format == "dummy":
         return _load_dummy(path, **shard)

@@ -55,9 +55,12 @@ def load_hf_model(
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
     head_rows: int = 0,
+    first_mlp_only: bool = False,
+    last_attention_only: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
-    process) directly on ``device`` in ``dtype``, and read just those weights into it."""
+    process) directly on ``device`` in ``dtype``, and read just those weights into it (the
+    halves flags: ``LlamaForCausalLM``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"model folder {str(folder)!r} does not exist")
@@ -70,6 +73,8 @@ def load_hf_model(
         end_layer=end_layer,
         parallel=parallel,
         head_rows=head_rows,
+        first_mlp_only=first_mlp_only,
+        last_attention_only=last_attention_only,
     )
     model.load_weights(iter_safetensors_slices(folder))
     return model, config
@@ -84,18 +89,22 @@ def build_model(
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
     head_rows: int = 0,
+    first_mlp_only: bool = False,
+    last_attention_only: bool = False,
 ) -> LlamaForCausalLM:
     """An inference-mode model (no grads, eval) born on ``device`` in ``dtype``, with
     PyTorch's default init; load_weights (or a benchmark's random fill) comes next. The
     global default dtype is restored afterwards; the RoPE tables stay float32. ``parallel``
     picks the TP shard (default: one process, the whole layers); ``head_rows`` gives a first
-    stage its share of the LM head (split sampling)."""
+    stage its share of the LM head (split sampling); ``first_mlp_only`` / ``last_attention_only``
+    a stage boundary inside its first / last layer."""
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = LlamaForCausalLM(
-                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel, head_rows=head_rows
+                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel, head_rows=head_rows,
+                first_mlp_only=first_mlp_only, last_attention_only=last_attention_only,
             )
     finally:
         torch.set_default_dtype(previous_dtype)

@@ -435,7 +435,7 @@ def tiny_folder(tmp_path) -> str:
 
 
 def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: int = 1,
-                    token_feedback: bool = False):
+                    token_feedback: bool = False, stage_layers: list[float] | None = None):
     """Greedy token ids of 24 prompts of varied lengths and output lengths, so the decode
     batch shrinks through many (padded) bucket sizes and prompts are chunked beside decodes
     (mixed buckets); also the runner's replay counts (all, mixed), None without a runner."""
@@ -450,7 +450,8 @@ def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: 
         cuda_graph_max_batch=256 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0,
         cuda_graphs_in_workers=tp * pp > 1,
         scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=32),
-        parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback),
+        parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback, stage_layers=stage_layers,
+                                half_layer_stages=stage_layers is not None),
     )
     with LLM.from_config(config) as llm:
         outs = llm.generate(prompts, params)
@@ -478,14 +479,17 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp, pp, feedback", [(2, 1, False), (1, 2, False), (1, 2, True)],
-                         ids=["tp2", "pp2", "pp2-feedback"])
-def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback):
+@pytest.mark.parametrize("tp, pp, feedback, stage_layers",
+                         [(2, 1, False, None), (1, 2, False, None), (1, 2, True, None), (1, 2, True, [1.5, 0.5])],
+                         ids=["tp2", "pp2", "pp2-feedback", "pp2-half-layers"])
+def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback, stage_layers):
     """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside;
     token feedback: NCCL ids from the last stage patched into the static input ids before a
-    replay). It checks outputs only, not that the workers replayed."""
+    replay; half layers: the last stage begins with layer 1's MLP). It checks outputs only, not
+    that the workers replayed."""
     eager, _ = generate_greedy(tiny_folder, device="cuda", graphs=False)
-    graphed, _ = generate_greedy(tiny_folder, device="cuda", graphs=True, tp=tp, pp=pp, token_feedback=feedback)
+    graphed, _ = generate_greedy(tiny_folder, device="cuda", graphs=True, tp=tp, pp=pp, token_feedback=feedback,
+                                 stage_layers=stage_layers)
     assert graphed == eager
 
 

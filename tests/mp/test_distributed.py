@@ -50,6 +50,22 @@ def test_greedy_tokens_match_single_process(reference, tp, pp, feedback):
         assert sched.block_manager.num_free_blocks == llm.engine.state.num_kv_blocks
 
 
+def test_stage_boundaries_inside_layers_match_single_process(reference):
+    """pp=3 with stage boundaries between a layer's attention and its MLP: stage 1 begins with
+    layer 9's MLP and ends with layer 19's attention, so it holds 10 layers' KV caches."""
+    from pipeserve.runtime.config import EngineConfig, ParallelConfig
+    from pipeserve.scheduler import SchedulerConfig
+
+    config = EngineConfig(
+        device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512,
+        scheduler=SchedulerConfig(max_num_batched_tokens=40),
+        parallel=ParallelConfig(pp=3, half_layer_stages=True, stage_layers=[9.5, 10, 10.5]),
+    )
+    with LLM.from_config(config) as llm:
+        outs = llm.chat(chats(), GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+
+
 def test_pipelined_chunks_and_decodes():
     """pp=2 without token feedback, two micro-batches in flight: a long prompt's next chunk
     enters the very next micro-batch while the previous chunk is still in flight; a decode is
