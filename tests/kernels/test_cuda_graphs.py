@@ -480,12 +480,12 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("tp, pp, feedback, stage_layers",
-                         [(2, 1, False, None), (1, 2, False, None), (1, 2, True, None), (1, 2, True, [1.5, 0.5])],
+                         [(2, 1, False, None), (1, 2, False, None), (1, 2, True, None), (1, 2, True, [0.5, 1.5])],
                          ids=["tp2", "pp2", "pp2-feedback", "pp2-half-layers"])
 def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback, stage_layers):
     """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside;
     token feedback: NCCL ids from the last stage patched into the static input ids before a
-    replay; half layers: the last stage begins with layer 1's MLP). It checks outputs only, not
+    replay; half layers: the first stage ends with layer 0's attention). It checks outputs only, not
     that the workers replayed."""
     eager, _ = generate_greedy(tiny_folder, device="cuda", graphs=False)
     graphed, _ = generate_greedy(tiny_folder, device="cuda", graphs=True, tp=tp, pp=pp, token_feedback=feedback,
