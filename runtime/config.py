@@ -57,7 +57,10 @@ class ParallelConfig:
     """Stage boundaries may fall between a layer's attention and its MLP, so the plan balances
     the stages in half layers (``parallel/stage_plan.py``, ``plan_half_layers``): with whole
     layers a last stage whose head is worth most of a layer is slower by it on every decode
-    step, and the others wait. The residual stream still travels as one tensor."""
+    step, and the others wait. The residual stream still travels as one tensor. Off by default:
+    at pp=2 on 2 × H200 (Llama-3-8B shape, a 50k vocabulary: 16.5 / 15.5 layers) decode steps
+    came out even (2.60 / 2.59 ms against 2.53 / 2.65), but the idle moved to the other stage more
+    than it went away (BENCHMARKS.md, tenth session)."""
     host: str | None = None
     """Address the engine binds its ZeroMQ sockets to; None = 127.0.0.1 on one node, the
     rendezvous host's interface (torchrun's MASTER_ADDR) across nodes. Never all interfaces."""
