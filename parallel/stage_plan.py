@@ -61,13 +61,7 @@ def default_costs(
     projection; the embedding is a lookup (0). Attention over the context, which grows with
     it equally on every layer, and norms are left out.
     """
-    sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
-                 vocab_size=vocab_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim)
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-    attention, mlp = _half_weights(hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim)
+    attention, mlp = _half_weights(hidden_size, intermediate_size, vocab_size, num_heads, num_kv_heads, head_dim)
     return {
         "layer_cost": 1.0,
         "embedding_cost": 0.0,
@@ -85,15 +79,21 @@ def default_half_costs(
 ) -> dict[str, float]:
     """``default_costs`` for ``plan_half_layers``: one layer = 1.0, split into its attention's
     share (q/k/v/o) and its MLP's."""
-    costs = default_costs(hidden_size, intermediate_size, vocab_size, num_heads, num_kv_heads, head_dim)
-    attention, mlp = _half_weights(hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim)
-    return {"attention_cost": attention / (attention + mlp), "mlp_cost": mlp / (attention + mlp),
-            "embedding_cost": costs["embedding_cost"], "head_cost": costs["head_cost"]}
+    attention, mlp = _half_weights(hidden_size, intermediate_size, vocab_size, num_heads, num_kv_heads, head_dim)
+    layer = attention + mlp
+    return {"attention_cost": attention / layer, "mlp_cost": mlp / layer, "embedding_cost": 0.0,
+            "head_cost": hidden_size * vocab_size / layer}
 
 
-def _half_weights(hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int,
-                  head_dim: int) -> tuple[int, int]:
-    """(attention, MLP) weights of one decoder layer."""
+def _half_weights(hidden_size: int, intermediate_size: int, vocab_size: int, num_heads: int,
+                  num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(attention, MLP) weights of one decoder layer (ValueError for a size below 1)."""
+    sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                 vocab_size=vocab_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim)
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
     q_o = 2 * hidden_size * num_heads * head_dim
     k_v = 2 * hidden_size * num_kv_heads * head_dim
     return q_o + k_v, 3 * hidden_size * intermediate_size  # (gate, up, down)
@@ -101,11 +101,14 @@ def _half_weights(hidden_size: int, intermediate_size: int, num_heads: int, num_
 
 @dataclass(frozen=True, slots=True)
 class StageLayers:
-    """A stage's half layers ``[start, end)``: half 2i is layer i's attention (with its input
-    norm), half 2i + 1 its MLP (with its post-attention norm)."""
+    """A stage's half layers ``[start_half, end_half)``: half 2i is layer i's attention (with
+    its input norm), half 2i + 1 its MLP (with its post-attention norm)."""
 
-    start: int
-    end: int
+    start_half: int
+    end_half: int
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.start_half < self.end_half, self
 
     @classmethod
     def whole(cls, start_layer: int, end_layer: int) -> StageLayers:
@@ -113,33 +116,51 @@ class StageLayers:
 
     @property
     def start_layer(self) -> int:
-        return self.start // 2
+        return self.start_half // 2
 
     @property
     def end_layer(self) -> int:
         """One past the last layer with any half here."""
-        return (self.end + 1) // 2
+        return (self.end_half + 1) // 2
 
     @property
     def first_mlp_only(self) -> bool:
         """The first layer's attention ran on the stage before."""
-        return self.start % 2 == 1
+        return self.start_half % 2 == 1
 
     @property
     def last_attention_only(self) -> bool:
         """The last layer's MLP runs on the stage after."""
-        return self.end % 2 == 1
+        return self.end_half % 2 == 1
 
     @property
     def num_attention_layers(self) -> int:
         """Layers whose attention (and KV cache) this stage holds."""
-        return (self.end + 1) // 2 - (self.start + 1) // 2
+        return (self.end_half + 1) // 2 - (self.start_half + 1) // 2
 
     @property
     def num_layers(self) -> float:
-        """Layers here, a half counting half (an int when whole)."""
-        num = self.end - self.start
+        """Layers here, a half counting half (an int for an even number of halves)."""
+        num = self.end_half - self.start_half
         return num // 2 if num % 2 == 0 else num / 2
+
+
+def plan_model_stages(config, num_stages: int, *, override: list[float] | None = None,
+                      half_layers: bool = False) -> list[StageLayers]:
+    """Every stage's layers for a Llama-family model ``config`` (its shape's fields): the
+    override, else balanced by ``default_costs`` (``plan_stages``), or in half layers
+    (``plan_half_layers``) when ``half_layers``. ValueError for a bad override."""
+    shape = (config.hidden_size, config.intermediate_size, config.vocab_size,
+             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+    num_layers = config.num_hidden_layers
+    if half_layers:
+        return plan_half_layers(num_layers, num_stages, **default_half_costs(*shape), override=override)
+    if override is not None:
+        if any(not math.isfinite(n) or n != int(n) for n in override):
+            raise ValueError(f"stage_layers {override} splits layers: set parallel.half_layer_stages=true")
+        override = [int(n) for n in override]
+    ranges = plan_stages(num_layers, num_stages, **default_costs(*shape), override=override)
+    return [StageLayers.whole(start, end) for start, end in ranges]
 
 
 def plan_half_layers(
@@ -157,20 +178,16 @@ def plan_half_layers(
     costs ``attention_cost`` and its MLP ``mlp_cost``. Every stage holds at least one attention
     (its KV cache). ``override``: layers per stage in multiples of 0.5, e.g. ``[16.5, 15.5]``.
     """
-    _check_args(num_layers, num_stages, attention_cost + mlp_cost, embedding_cost, head_cost)
     for name, value in (("attention_cost", attention_cost), ("mlp_cost", mlp_cost)):
         if not value > 0 or not math.isfinite(value):
             raise ValueError(f"{name} must be finite and > 0, got {value}")
+    _check_args(num_layers, num_stages, attention_cost + mlp_cost, embedding_cost, head_cost)
     if override is not None:
         counts = _checked_half_override(override, num_layers, num_stages)
     else:
         units = [attention_cost, mlp_cost] * num_layers
         counts = _split_units(units, _extra_costs(num_stages, embedding_cost, head_cost))
-    stages, start = [], 0
-    for num in counts:
-        stages.append(StageLayers(start, start + num))
-        start += num
-    return stages
+    return [StageLayers(start, end) for start, end in _ranges(counts)]
 
 
 def _check_args(num_layers: int, num_stages: int, layer_cost: float, embedding_cost: float,
@@ -186,9 +203,13 @@ def _check_args(num_layers: int, num_stages: int, layer_cost: float, embedding_c
             raise ValueError(f"{name} must be finite and >= 0, got {value}")
 
 
-def _checked_override(override: list[int], num_layers: int, num_stages: int) -> list[int]:
+def _check_entries(override: list, num_stages: int) -> None:
     if len(override) != num_stages:
         raise ValueError(f"override has {len(override)} entries for {num_stages} stages")
+
+
+def _checked_override(override: list[int], num_layers: int, num_stages: int) -> list[int]:
+    _check_entries(override, num_stages)
     if any(not isinstance(n, int) or n < 1 for n in override):
         raise ValueError(f"override entries must be positive integers, got {override}")
     if sum(override) != num_layers:
@@ -197,10 +218,9 @@ def _checked_override(override: list[int], num_layers: int, num_stages: int) -> 
 
 
 def _checked_half_override(override: list[float], num_layers: int, num_stages: int) -> list[int]:
-    if len(override) != num_stages:
-        raise ValueError(f"override has {len(override)} entries for {num_stages} stages")
+    _check_entries(override, num_stages)
     halves = [2 * n for n in override]
-    if any(isinstance(n, bool) or h != int(h) or h < 1 for n, h in zip(override, halves)):
+    if any(isinstance(n, bool) or not math.isfinite(h) or h != int(h) or h < 1 for n, h in zip(override, halves)):
         raise ValueError(f"override entries must be positive multiples of 0.5, got {override}")
     if sum(halves) != 2 * num_layers:
         raise ValueError(f"override sums to {sum(override)}, the model has {num_layers} layers")
@@ -225,11 +245,10 @@ def _split_units(units: list[float], extra: list[float]) -> list[int]:
         prefix.append(prefix[-1] + cost)
 
     def choices(s: int, i: int):  # (count, stage cost) for stage s starting at unit i
-        last = num_units - (num_stages - 1 - s)  # leave a unit for each later stage
-        for j in range(i + 1, (num_units if s == num_stages - 1 else last) + 1):
-            if s < num_stages - 1 or j == num_units:
-                if _holds_attention(i, j - i):
-                    yield j - i, prefix[j] - prefix[i] + extra[s]
+        ends = [num_units] if s == num_stages - 1 else range(i + 1, num_units - (num_stages - 1 - s) + 1)
+        for j in ends:  # (a stage before the last leaves a unit for each later one)
+            if j > i and _holds_attention(i, j - i):
+                yield j - i, prefix[j] - prefix[i] + extra[s]
 
     def solve(key):  # best[s][i]: the least key over stages s.. holding units i..
         best = [[math.inf] * (num_units + 1) for _ in range(num_stages + 1)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -74,10 +75,21 @@ class ParallelConfig:
             raise ValueError("num_microbatches_in_flight must be >= 1")
         if self.feedback_max_ctas is not None and self.feedback_max_ctas < 1:
             raise ValueError(f"feedback_max_ctas must be >= 1 or null, got {self.feedback_max_ctas}")
-        if self.stage_layers is not None and len(self.stage_layers) != self.pp:
-            raise ValueError(f"stage_layers has {len(self.stage_layers)} entries for pp={self.pp}")
+        if self.stage_layers is not None:
+            self._check_stage_layers(self.stage_layers)
         if not 0 < self.liveness_timeout_s <= 30:
             raise ValueError("liveness_timeout_s must be in (0, 30]")
+
+    def _check_stage_layers(self, counts: list[float]) -> None:
+        """What needs no model: one entry per stage, positive, whole (halves with
+        half_layer_stages). The model's layer count is checked by the plan."""
+        if len(counts) != self.pp:
+            raise ValueError(f"stage_layers has {len(counts)} entries for pp={self.pp}")
+        step = 0.5 if self.half_layer_stages else 1
+        for n in counts:
+            if isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < math.inf or n % step:
+                hint = "" if self.half_layer_stages else " (half layers need parallel.half_layer_stages=true)"
+                raise ValueError(f"stage_layers entries must be positive multiples of {step}, got {counts}{hint}")
 
     @property
     def world_size(self) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.tp_layers import check_reduction_layout
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
 from pipeserve.runtime.cuda_graphs import capture_cuda_graphs
@@ -115,6 +116,11 @@ class LLMEngine:
         else:
             model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
         self.model_config = model_config
+        par = config.parallel
+        # Every stage's layers, as each worker will plan them: a bad override fails here, before
+        # any worker starts.
+        self.stage_layers = plan_model_stages(model_config, par.pp, override=par.stage_layers,
+                                              half_layers=par.half_layer_stages)
         if config.deterministic:  # before any worker starts
             check_reduction_layout(
                 num_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,

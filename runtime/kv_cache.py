@@ -23,7 +23,8 @@ def allocate_kv_cache(
     device: torch.device | str,
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer. ``num_kv_heads`` overrides the config's count:
+    """One zeroed cache tensor per layer whose attention the stage runs (``num_layers``: with a
+    stage boundary inside a layer, ``model.num_attention_layers``). ``num_kv_heads`` overrides the config's count:
     a tensor-parallel rank passes ``model.num_local_kv_heads`` (its share of the KV heads,
     which can differ between the ranks of a stage when KV heads are replicated; the number of
     blocks must still be the same on every rank).
@@ -48,7 +49,7 @@ def kv_cache_bytes_per_block(
     dtype: torch.dtype,
     num_kv_heads: int | None = None,
 ) -> int:
-    """Bytes one block costs across ``num_layers`` layers (K and V), to size the pool."""
+    """Bytes one block costs across ``num_layers`` attention layers (K and V), to size the pool."""
     kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
     element_size = torch.empty((), dtype=dtype).element_size()
     return 2 * num_layers * block_size * kv_heads * config.head_dim * element_size

@@ -495,9 +495,12 @@ class LlamaForCausalLM(nn.Module):
             return None
         prefix = f"layers.{layer - self.start_layer}"
         # e.g. model.layers.3.self_attn.q_proj.bias -> layers.1.self_attn.qkv_proj.bias, "q"
-        module = getattr(self.layers[layer - self.start_layer], parts[3], False)
-        if module is None:
-            return None  # the half of a split layer that the other stage holds
+        block = self.layers[layer - self.start_layer]
+        if parts[3] in ("input_layernorm", "self_attn") and block.self_attn is None:
+            return None  # the attention half of a split layer: the stage before holds it
+        if parts[3] in ("post_attention_layernorm", "mlp") and block.mlp is None:
+            return None  # the MLP half: the stage after holds it
+        module = getattr(block, parts[3], None)
         shards = getattr(module, "hf_shards", {})
         if len(parts) == 6 and parts[4] in shards:
             fused, part = shards[parts[4]]

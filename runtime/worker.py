@@ -27,17 +27,11 @@ import torch.distributed as dist
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, stage_ranks
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
 from pipeserve.parallel.split_head import split_rows
-from pipeserve.parallel.stage_plan import (
-    StageLayers,
-    default_costs,
-    default_half_costs,
-    plan_half_layers,
-    plan_stages,
-)
+from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import BlockTableMirror, PostFeedback, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime.batch import ModelInputs, StepInputs, to_tensors
-from pipeserve.runtime.config import EngineConfig, ParallelConfig, engine_config_from_dict
+from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.cuda_graphs import GraphStep, capture_cuda_graphs
 from pipeserve.runtime.executor import spec_to_params
 from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
@@ -60,26 +54,14 @@ _IDLE_POST_SPLIT_S = 0.05
 waits for one (``PostFeedback``), so this is a safety net, longer than the host's usual lead."""
 
 
-def stage_layers(config, parallel: ParallelConfig) -> list[StageLayers]:
-    """Every stage's layers (``parallel.stage_layers``, else balanced by cost), in half layers."""
-    shape = (config.hidden_size, config.intermediate_size, config.vocab_size,
-             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-    override, num_layers = parallel.stage_layers, config.num_hidden_layers
-    if parallel.half_layer_stages:
-        return plan_half_layers(num_layers, parallel.pp, **default_half_costs(*shape), override=override)
-    if override is not None and any(n != int(n) for n in override):
-        raise ValueError(f"stage_layers {override} splits layers: set parallel.half_layer_stages=true")
-    override = None if override is None else [int(n) for n in override]
-    ranges = plan_stages(num_layers, parallel.pp, **default_costs(*shape), override=override)
-    return [StageLayers.whole(start, end) for start, end in ranges]
-
-
 class Worker:
     def __init__(self, config: EngineConfig, ctx: ParallelContext, device: torch.device) -> None:
         self.config, self.ctx, self.device = config, ctx, device
         self.dtype = config.torch_dtype(device)
         model_config, _, _ = read_config_and_tokenizer(config.model)
-        span = stage_layers(model_config, config.parallel)[ctx.stage]
+        par = config.parallel
+        span = plan_model_stages(model_config, ctx.pp_size, override=par.stage_layers,
+                                 half_layers=par.half_layer_stages)[ctx.stage]
         # Split sampling (parallel/split_head.py): the first stage holds the head's rows [0, V0).
         split = config.split_sampling and ctx.feedback_group is not None
         head_rows = split_rows(model_config.vocab_size) if split else 0
@@ -90,7 +72,7 @@ class Worker:
         self.model, self.model_config = loaded.model, loaded.config
         set_kernels(self.model, config, device)
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
-        self.num_layers = span.num_layers  # (halves count half: metrics' FLOPs and bytes)
+        self.num_layers = span.num_layers  # (reported in the stage timeline; a half counts half)
         self.num_kv_layers = span.num_attention_layers
         self.num_kv_blocks = self._agree_on_kv_blocks()
         self.kv_caches = allocate_kv_cache(

