@@ -81,6 +81,18 @@ def brute_force(num_layers, num_stages, layer_cost, embedding_cost, head_cost):
         yield max(costs), sum(x * x for x in costs), c
 
 
+def check_optimal(got, splits):
+    """``got`` (counts) is the least bottleneck among ``splits`` (bottleneck, sum of squares,
+    counts), then the most even (least sum of squares), then the smallest counts first."""
+    best = min(s[0] for s in splits)
+    mine = next(s for s in splits if s[2] == got)
+    assert mine[0] == pytest.approx(best, rel=1e-12)
+    optimal = [s for s in splits if s[0] <= best * (1 + 1e-12)]
+    least_sq = min(s[1] for s in optimal)
+    assert mine[1] == pytest.approx(least_sq, rel=1e-9)
+    assert got == min(s[2] for s in optimal if s[1] <= least_sq * (1 + 1e-9))
+
+
 def test_optimal_against_brute_force():
     rng = random.Random(7)
     for _ in range(300):
@@ -91,15 +103,7 @@ def test_optimal_against_brute_force():
                 rng.choice([0.0, rng.uniform(0, 6), float(rng.randint(0, 5))]))
         got = counts(plan_stages(num_layers, num_stages, layer_cost=args[0],
                                  embedding_cost=args[1], head_cost=args[2]))
-        splits = list(brute_force(num_layers, num_stages, *args))
-        best = min(s[0] for s in splits)
-        mine = next(s for s in splits if s[2] == got)
-        assert mine[0] == pytest.approx(best, rel=1e-12), (num_layers, num_stages, args)
-        # Tie rule: most even (least sum of squares) among optimal, then smallest counts first.
-        optimal = [s for s in splits if s[0] <= best * (1 + 1e-12)]
-        least_sq = min(s[1] for s in optimal)
-        assert mine[1] == pytest.approx(least_sq, rel=1e-9)
-        assert got == min(s[2] for s in optimal if s[1] <= least_sq * (1 + 1e-9))
+        check_optimal(got, list(brute_force(num_layers, num_stages, *args)))
 
 
 def test_override():
@@ -166,14 +170,7 @@ def test_half_layers_optimal_against_brute_force():
         assert stages[0].start_half == 0 and stages[-1].end_half == 2 * num_layers
         assert all(a.end_half == b.start_half for a, b in zip(stages, stages[1:]))
         got = [s.end_half - s.start_half for s in stages]
-        splits = list(half_brute_force(num_layers, num_stages, *args))
-        best = min(s[0] for s in splits)
-        mine = next(s for s in splits if s[2] == got)
-        assert mine[0] == pytest.approx(best, rel=1e-12), (num_layers, num_stages, args)
-        optimal = [s for s in splits if s[0] <= best * (1 + 1e-12)]
-        least_sq = min(s[1] for s in optimal)
-        assert mine[1] == pytest.approx(least_sq, rel=1e-9)
-        assert got == min(s[2] for s in optimal if s[1] <= least_sq * (1 + 1e-9))
+        check_optimal(got, list(half_brute_force(num_layers, num_stages, *args)))
 
 
 def test_half_layers_balance_a_head_worth_most_of_a_layer():
