@@ -43,7 +43,7 @@ from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine import LLMEngine
 from pipeserve.runtime.prefix_workloads import ideal_cached_fraction
 from pipeserve.runtime.sampling_params import SamplingParams
-from pipeserve.runtime.workload import RequestSpec, WorkloadConfig, build_workload, workload_summary
+from pipeserve.runtime.workload import RequestSpec, WorkloadConfig, build_workload, fit_to_context, workload_summary
 from pipeserve.scheduler.prefix_cache import PrefixCacheStats
 from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
 
@@ -148,15 +148,7 @@ class Bench:
 
     def fit(self, specs: list[RequestSpec]) -> tuple[list[RequestSpec], int]:
         """Cut prompts/outputs to the engine's max_model_len; returns (specs, how many were cut)."""
-        limit = self.engine.state.max_model_len
-        out, cut = [], 0
-        for s in specs:
-            prompt = min(s.prompt_len, limit - 1)
-            output = max(1, min(s.output_len, limit - prompt))
-            cut += (prompt, output) != (s.prompt_len, s.output_len)
-            ids = None if s.prompt_token_ids is None else s.prompt_token_ids[:prompt]
-            out.append(dataclasses.replace(s, prompt_len=prompt, output_len=output, prompt_token_ids=ids))
-        return out, cut
+        return fit_to_context(specs, self.engine.state.max_model_len)
 
     def run(self, specs: list[RequestSpec], *, seed: int, prefix: str = "r", progress: bool = False,
             desc: str = "bench") -> RunData:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+import dataclasses
 import datetime as dt
 import functools
 import math
@@ -214,6 +215,19 @@ def natural_rate(config: WorkloadConfig) -> float:
 
 
 # ---- building a workload ----------------------------------------------------------------------
+
+
+def fit_to_context(specs: list[RequestSpec], max_model_len: int) -> tuple[list[RequestSpec], int]:
+    """Prompts cut to max_model_len - 1 and outputs to what is left (at least one token), as an
+    engine of that context serves them; returns (specs, how many were cut)."""
+    out, cut = [], 0
+    for s in specs:
+        prompt = min(s.prompt_len, max_model_len - 1)
+        output = max(1, min(s.output_len, max_model_len - prompt))
+        cut += (prompt, output) != (s.prompt_len, s.output_len)
+        ids = None if s.prompt_token_ids is None else s.prompt_token_ids[:prompt]
+        out.append(dataclasses.replace(s, prompt_len=prompt, output_len=output, prompt_token_ids=ids))
+    return out, cut
 
 
 def build_workload(config: WorkloadConfig, *, vocab_size: int | None = None) -> list[RequestSpec]:
