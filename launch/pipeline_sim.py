@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -33,11 +35,13 @@ from types import SimpleNamespace
 
 from pipeserve.parallel.stage_plan import default_costs, default_half_costs, plan_model_stages
 from pipeserve.runtime.config import ParallelConfig
+from pipeserve.runtime.engine import StepRecord
 from pipeserve.runtime.metrics import (
     RequestTimes,
     StageSpan,
     StageTimeline,
     bubble_in_window,
+    chrome_trace,
     loaded_window,
     request_summary,
     stage_summary,
@@ -80,13 +84,33 @@ class Pipeline:
 
 @dataclass(slots=True)
 class SimRun:
-    """A simulated run: every stage's spans, every request's times (virtual seconds from 0, the
-    run's start), and the steps each micro-batch's fed decodes took their ids from."""
+    """A simulated run: every stage's spans, every request's times and the engine's record of
+    each micro-batch (virtual seconds from 0, the run's start)."""
 
     timelines: list[StageTimeline]
     requests: list[RequestTimes]
-    depth: int
-    fed_from: dict[int, tuple[int, ...]]
+    parallel: ParallelConfig
+    records: list[StepRecord]
+    done_times: dict[int, float]
+    """Step id -> when the engine had its result."""
+
+    @property
+    def fed_from(self) -> dict[int, tuple[int, ...]]:
+        """Step id -> the steps its fed decodes take their ids from."""
+        return {r.step_id: r.fed_from for r in self.records}
+
+    def write(self, folder: str) -> None:
+        """trace.json and result.json as ``pipeserve bench`` writes them, so that
+        ``python -m pipeserve.launch.pipeline_gaps FOLDER`` reads the ideal run like a measured one."""
+        os.makedirs(folder, exist_ok=True)
+        trace = chrome_trace(records=self.records, done_times=self.done_times, timelines=self.timelines,
+                             arrivals={r.request_id: r.arrival for r in self.requests}, t0=0.0,
+                             prompt_lens={r.request_id: r.num_prompt_tokens for r in self.requests})
+        result = {**self.summary(), "config": {"parallel": {"pp": self.parallel.pp,
+                                                            "token_feedback": self.parallel.token_feedback}}}
+        for name, data in (("trace.json", trace), ("result.json", result)):
+            with open(os.path.join(folder, name), "w") as f:
+                json.dump(data, f)
 
     def summary(self) -> dict:
         """Per stage the bubble over the run and while loaded, as ``pipeserve bench`` reports
@@ -94,7 +118,7 @@ class SimRun:
         if not self.requests:
             raise ValueError("an empty run has no bubbles")
         end = max(r.finished for r in self.requests)
-        window = loaded_window(self.requests, self.depth)
+        window = loaded_window(self.requests, self.parallel.depth)
         stages = [{**stage_summary(t, 0.0, end),
                    "bubble_fraction_loaded": bubble_in_window(t, *window) if window else None}
                   for t in self.timelines]
@@ -135,7 +159,8 @@ def simulate(specs: Sequence[RequestSpec], config: SchedulerConfig, pipe: Pipeli
             sim.clock = pending[0].arrival_s
             continue
         sim.step()
-    return SimRun(sim.timelines, sorted(sim.finished, key=lambda r: r.arrival), pipe.parallel.depth, sim.fed_from)
+    return SimRun(sim.timelines, sorted(sim.finished, key=lambda r: r.arrival), pipe.parallel, sim.records,
+                  sim.done_times)
 
 
 class _Simulation:
@@ -149,7 +174,8 @@ class _Simulation:
                                    cost_model=pipe.cost_model if config.time_budget_s else None,
                                    clock=lambda: self.clock)
         self.timelines = [StageTimeline(stage=s, rank=s) for s in range(par.pp)]
-        self.fed_from: dict[int, tuple[int, ...]] = {}
+        self.records: list[StepRecord] = []
+        self.done_times: dict[int, float] = {}
         self.finished: list[RequestTimes] = []
         self._free = [0.0] * par.pp  # when each stage is done with what it has
         self._last_end: dict[int, float] = {}  # step id -> its end on the last stage
@@ -168,12 +194,13 @@ class _Simulation:
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 break
-            self._run(plan)
             self._in_flight.append(plan)
+            self._run(plan)
         if not self._in_flight:
             raise RuntimeError("the scheduler made no progress with requests pending")
         plan = self._in_flight.popleft()
         self.clock = max(self.clock, self._last_end[plan.step_id] + self.pipe.hop_s)
+        self.done_times[plan.step_id] = self.clock
         sampled = {s.request_id: 0 for s in plan.scheduled if s.needs_sample}
         for request in self.scheduler.update(plan, sampled):
             self._took_token(request)
@@ -184,15 +211,19 @@ class _Simulation:
             if self._times[s.request_id].first_scheduled < 0:
                 self._times[s.request_id].first_scheduled = self.clock
         fed = tuple(sorted({s.feed_step for s in plan.scheduled if s.feed_step >= 0}))
-        self.fed_from[plan.step_id] = fed
+        seqs = tuple((s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.needs_sample)
+                     for s in plan.scheduled)
+        self.records.append(StepRecord(plan.step_id, self.clock, seqs, tuple(p.step_id for p in self._in_flight),
+                                       plan.predicted_time, fed))
         hop = self.pipe.hop_s
         ready = max([self.clock] + [self._last_end[step] + hop for step in fed])
         work = Work.of((s.num_computed_tokens, s.num_scheduled_tokens) for s in plan.scheduled)
         for stage, seconds in enumerate(self.pipe.stage_seconds(work)):
             start = max(self._free[stage], ready)
-            # (recv_start: since the stage could have started, had its input been there)
-            waiting = max(self._free[stage], self.clock)
-            self.timelines[stage].spans.append(StageSpan(plan.step_id, min(waiting, start), start, start + seconds))
+            # A later stage waits for its input from when it could have started (a posted
+            # receive); the first stage receives nothing, as in the workers' timelines.
+            waiting = start if stage == 0 else min(max(self._free[stage], self.clock), start)
+            self.timelines[stage].spans.append(StageSpan(plan.step_id, waiting, start, start + seconds))
             self._free[stage] = start + seconds
             ready = start + seconds + hop
         self._last_end[plan.step_id] = self._free[-1]
@@ -267,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--num-requests", type=int, default=288)
     p.add_argument("--max-output-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trace-dir", help="write each run's trace.json and result.json under DIR/RATE-RUN "
+                                       "(for pipeline_gaps)")
     args = p.parse_args(argv)
     dims = SHAPES[args.shape]
     shape = SimpleNamespace(**dims, head_dim=dims["hidden_size"] // dims["num_attention_heads"])
@@ -288,7 +321,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                                   max_output_len=args.max_output_len, seed=args.seed)
         specs, _ = fit_to_context(build_workload(workload), shape.max_position_embeddings)
         for run, config in configs.items():
-            out = simulate(specs, config, pipe).summary()
+            sim_run = simulate(specs, config, pipe)
+            if args.trace_dir:
+                sim_run.write(os.path.join(args.trace_dir, f"{rate:g}-{run.replace(':', '-')}"))
+            out = sim_run.summary()
             bubbles = " / ".join(f"{_percent(s['bubble_fraction'])} ({_percent(s['bubble_fraction_loaded'])})"
                                  for s in out["stages"])
             print(f"| {rate:g} | {run} | {bubbles} | {_ms(out['ttft_s']['p50'])} | {_ms(out['tbt_s']['p99'])} |")

@@ -133,7 +133,7 @@ def test_command_line(tmp_path, capsys):
     path.write_text('{"per_token": 1.43e-05, "per_attn": 2.38e-09, "per_seq": 5.2e-07, "fixed": 0.0039,'
                     ' "per_kv": 3.2e-08, "knee_tokens": 93}')
     sim.main(["--cost-model", str(path), "--runs", "sarathi:128", "orca", "--rate", "6", "--num-requests", "12",
-              "--half-layers", "--head-us", "120"])
+              "--half-layers", "--head-us", "120", "--trace-dir", str(tmp_path / "traces")])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("ideal pp=2 pipeline: layer shares 0.506, 0.494, head 120 us")
     rows = [line.split(" | ") for line in lines[3:]]
@@ -144,3 +144,11 @@ def test_command_line(tmp_path, capsys):
     assert "(-)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         sim.main(["--cost-model", str(path), "--runs", "orca:time128"])
+    # pipeline_gaps reads an ideal run like a measured one: the first stage never waits for a
+    # previous one, the last stage never for fed ids and has no host of its own.
+    from pipeserve.launch import pipeline_gaps
+
+    pipeline_gaps.main([str(tmp_path / "traces" / "6-sarathi-128")])
+    stage0, stage1 = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:4]]
+    assert stage0[0] == "| stage 0" and stage0[3] == "0.0%" and float(stage0[4].rstrip("%")) > 0
+    assert stage1[0] == "| stage 1" and float(stage1[3].rstrip("%")) > 0 and stage1[4] == stage1[6] == "0.0%"
