@@ -253,11 +253,10 @@ def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, opt
     records = [r for r in bench.engine.step_records if run.first_step <= r.step_id < run.end_step]
     window = [tl.within(run.first_step) for tl in timelines]
     window = [dataclasses.replace(tl, spans=[s for s in tl.spans if s.step_id < run.end_step]) for tl in window]
-    stages = [M.stage_summary(tl, run.t0, run.t_end) for tl in sorted(window, key=lambda t: t.rank)]
-    loaded = M.loaded_window(run.requests, bench.config.parallel.depth)
+    stages, loaded = M.stage_bubbles(window, run.requests, t0=run.t0, t_end=run.t_end,
+                                     depth=bench.config.parallel.depth)
     saturated = M.prompt_pending_intervals(run.requests, records, prompt_lens)
     for st, tl in zip(stages, sorted(window, key=lambda t: t.rank)):
-        st["bubble_fraction_loaded"] = M.bubble_in_window(tl, *loaded) if loaded else None
         st["bubble_fraction_saturated"] = M.bubble_in_intervals(tl, saturated)
     lead = [s for s in stages if s["tp_rank"] == 0]
     result = M.request_summary(run.requests, run.t_end - run.t0)

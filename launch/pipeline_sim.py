@@ -40,11 +40,9 @@ from pipeserve.runtime.metrics import (
     RequestTimes,
     StageSpan,
     StageTimeline,
-    bubble_in_window,
     chrome_trace,
-    loaded_window,
     request_summary,
-    stage_summary,
+    stage_bubbles,
 )
 from pipeserve.runtime.workload import RequestSpec, WorkloadConfig, build_workload, fit_to_context
 from pipeserve.scheduler import CostModel, Request, RequestStatus, Scheduler, SchedulerConfig, Work
@@ -118,10 +116,7 @@ class SimRun:
         if not self.requests:
             raise ValueError("an empty run has no bubbles")
         end = max(r.finished for r in self.requests)
-        window = loaded_window(self.requests, self.parallel.depth)
-        stages = [{**stage_summary(t, 0.0, end),
-                   "bubble_fraction_loaded": bubble_in_window(t, *window) if window else None}
-                  for t in self.timelines]
+        stages, _ = stage_bubbles(self.timelines, self.requests, t0=0.0, t_end=end, depth=self.parallel.depth)
         return {"stages": stages, **request_summary(self.requests, end)}
 
 

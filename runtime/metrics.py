@@ -227,6 +227,19 @@ def loaded_window(requests: Sequence[RequestTimes], depth: int) -> tuple[float, 
     return min(r.arrival for r in requests), finishes[len(finishes) - depth]
 
 
+def stage_bubbles(timelines: Sequence[StageTimeline], requests: Sequence[RequestTimes], *, t0: float,
+                  t_end: float, depth: int) -> tuple[list[dict], tuple[float, float] | None]:
+    """Every rank's ``stage_summary`` over [t0, t_end] (in rank order) with its
+    ``bubble_fraction_loaded`` over ``loaded_window``, and that window."""
+    loaded = loaded_window(requests, depth)
+    stages = []
+    for timeline in sorted(timelines, key=lambda t: t.rank):
+        stage = stage_summary(timeline, t0, t_end)
+        stage["bubble_fraction_loaded"] = bubble_in_window(timeline, *loaded) if loaded else None
+        stages.append(stage)
+    return stages, loaded
+
+
 def bubble_in_window(timeline: StageTimeline, start: float, end: float) -> float | None:
     """1 - busy / (end - start), counting only the compute inside [start, end]."""
     return bubble_in_intervals(timeline, [(start, end)])
