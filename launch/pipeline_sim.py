@@ -248,22 +248,28 @@ def time_budget(cost_model: CostModel, tokens: int) -> float:
 def scheduler_config(run: str, cost_model: CostModel, max_model_len: int) -> SchedulerConfig:
     """The policy's configs/scheduler YAML (what ``pipeserve bench scheduler=NAME`` runs), with
     ``sarathi:N`` an N-token budget and ``sarathi:timeN`` the time budget of an N-token
-    micro-batch."""
+    micro-batch; ``,field=value`` after it overrides a field (``orca,balance_decodes=false``)."""
     import yaml
 
-    policy, _, budget = run.partition(":")
+    name, *overrides = run.split(",")
+    policy, _, budget = name.partition(":")
     path = _SCHEDULER_CONFIGS / f"{policy}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown policy {policy!r}: no {path.name} in configs/scheduler")
-    config = SchedulerConfig(**yaml.safe_load(path.read_text()), max_model_len=max_model_len)
-    if not budget:
-        return config
-    if policy != "sarathi":
+    fields = {**yaml.safe_load(path.read_text()), "max_model_len": max_model_len}
+    if budget and policy != "sarathi":
         raise ValueError(f"{run!r}: budgets are sarathi's (sarathi:N, sarathi:timeN)")
     if budget.startswith("time"):
-        seconds = time_budget(cost_model, int(budget.removeprefix("time")))
-        return dataclasses.replace(config, max_num_batched_tokens=4096, time_budget_s=seconds)
-    return dataclasses.replace(config, max_num_batched_tokens=int(budget))
+        fields |= {"max_num_batched_tokens": 4096,
+                   "time_budget_s": time_budget(cost_model, int(budget.removeprefix("time")))}
+    elif budget:
+        fields["max_num_batched_tokens"] = int(budget)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in fields:
+            raise ValueError(f"{run!r}: {item!r} is not field=value of the scheduler config")
+        fields[key] = yaml.safe_load(value)
+    return SchedulerConfig(**fields)
 
 
 def _percent(x: float | None) -> str:
@@ -280,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cost-model", required=True, help="cost_model.json from `pipeserve profile`")
     p.add_argument("--runs", nargs="+", default=["sarathi:512", "orca"],
-                   help="a policy (its configs/scheduler YAML), sarathi:N or sarathi:timeN")
+                   help="a policy (its configs/scheduler YAML), sarathi:N or sarathi:timeN, then ,field=value")
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--half-layers", action="store_true", help="stage boundaries may split a layer")
@@ -318,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         for run, config in configs.items():
             sim_run = simulate(specs, config, pipe)
             if args.trace_dir:
-                sim_run.write(os.path.join(args.trace_dir, f"{rate:g}-{run.replace(':', '-')}"))
+                sim_run.write(os.path.join(args.trace_dir, f"{rate:g}-{run.replace(':', '-').replace(',', '-')}"))
             out = sim_run.summary()
             bubbles = " / ".join(f"{_percent(s['bubble_fraction'])} ({_percent(s['bubble_fraction_loaded'])})"
                                  for s in out["stages"])

@@ -121,7 +121,10 @@ def test_time_budget_and_policy_configs():
     # The policies' own YAML, as `pipeserve bench scheduler=orca` runs them.
     orca = sim.scheduler_config("orca", cost, 4096)
     assert (orca.policy, orca.max_num_batched_tokens, orca.max_model_len) == ("orca", 8192, 4096)
-    for bad, message in (("fifo", "unknown policy"), ("orca:128", "sarathi's")):
+    unbalanced = sim.scheduler_config("orca,balance_decodes=false,max_num_seqs=64", cost, 4096)
+    assert (unbalanced.balance_decodes, unbalanced.max_num_seqs, unbalanced.max_num_batched_tokens) == (False, 64, 8192)
+    for bad, message in (("fifo", "unknown policy"), ("orca:128", "sarathi's"), ("orca,speed=1", "field=value"),
+                         ("orca,balance_decodes", "field=value")):
         with pytest.raises(ValueError, match=message):
             sim.scheduler_config(bad, cost, 4096)
     with pytest.raises(ValueError, match="prefix caching"):
