@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from pipeserve.parallel.stage_plan import default_costs, default_half_costs, plan_model_stages
+from pipeserve.parallel.stage_plan import model_costs, plan_model_stages
 from pipeserve.runtime.config import ParallelConfig
 from pipeserve.runtime.engine import StepRecord
 from pipeserve.runtime.metrics import (
@@ -123,9 +123,7 @@ class SimRun:
 def layer_shares(config, pp: int, *, half_layers: bool) -> tuple[float, ...]:
     """Each stage's share of the layers by the stage plan's own costs (attention and MLP halves
     weighted by their weights)."""
-    shape = (config.hidden_size, config.intermediate_size, config.vocab_size,
-             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-    half = default_half_costs(*shape)
+    half = model_costs(config, half_layers=True)
     costs = [sum(half["attention_cost"] if h % 2 == 0 else half["mlp_cost"] for h in range(s.start_half, s.end_half))
              for s in plan_model_stages(config, pp, half_layers=half_layers)]
     return tuple(c / sum(costs) for c in costs)
@@ -133,9 +131,7 @@ def layer_shares(config, pp: int, *, half_layers: bool) -> tuple[float, ...]:
 
 def head_floor(cost_model: CostModel, config) -> float:
     """The LM head's weight read: its share of the profile's floor for a step below the knee."""
-    shape = (config.hidden_size, config.intermediate_size, config.vocab_size,
-             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
-    head = default_costs(*shape)["head_cost"]
+    head = model_costs(config)["head_cost"]
     return cost_model.per_token * cost_model.knee_tokens * head / (config.num_hidden_layers + head)
 
 

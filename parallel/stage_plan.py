@@ -53,8 +53,12 @@ def default_costs(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    *,
+    half_layers: bool = False,
 ) -> dict[str, float]:
-    """Relative per-token costs of a Llama-family model, as keyword arguments of ``plan_stages``.
+    """Relative per-token costs of a Llama-family model, as keyword arguments of ``plan_stages``
+    (with ``half_layers``, of ``plan_half_layers``: the layer's 1.0 split into its attention's
+    share, q/k/v/o, and its MLP's).
 
     Costs are matmul FLOPs per token, proportional to weight counts, with one decoder layer
     = 1.0: the layer's q/k/v/o projections and gated MLP; the head's ``hidden × vocab``
@@ -62,27 +66,16 @@ def default_costs(
     it equally on every layer, and norms are left out.
     """
     attention, mlp = _half_weights(hidden_size, intermediate_size, vocab_size, num_heads, num_kv_heads, head_dim)
-    return {
-        "layer_cost": 1.0,
-        "embedding_cost": 0.0,
-        "head_cost": hidden_size * vocab_size / (attention + mlp),
-    }
-
-
-def default_half_costs(
-    hidden_size: int,
-    intermediate_size: int,
-    vocab_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-) -> dict[str, float]:
-    """``default_costs`` for ``plan_half_layers``: one layer = 1.0, split into its attention's
-    share (q/k/v/o) and its MLP's."""
-    attention, mlp = _half_weights(hidden_size, intermediate_size, vocab_size, num_heads, num_kv_heads, head_dim)
     layer = attention + mlp
-    return {"attention_cost": attention / layer, "mlp_cost": mlp / layer, "embedding_cost": 0.0,
-            "head_cost": hidden_size * vocab_size / layer}
+    shares = {"attention_cost": attention / layer, "mlp_cost": mlp / layer} if half_layers else {"layer_cost": 1.0}
+    return {**shares, "embedding_cost": 0.0, "head_cost": hidden_size * vocab_size / layer}
+
+
+def model_costs(config, *, half_layers: bool = False) -> dict[str, float]:
+    """``default_costs`` of a model config (anything with a Llama config's shape fields)."""
+    return default_costs(config.hidden_size, config.intermediate_size, config.vocab_size,
+                         config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                         half_layers=half_layers)
 
 
 def _half_weights(hidden_size: int, intermediate_size: int, vocab_size: int, num_heads: int,
@@ -148,18 +141,16 @@ class StageLayers:
 def plan_model_stages(config, num_stages: int, *, override: list[float] | None = None,
                       half_layers: bool = False) -> list[StageLayers]:
     """Every stage's layers for a Llama-family model ``config`` (its shape's fields): the
-    override, else balanced by ``default_costs`` (``plan_stages``), or in half layers
+    override, else balanced by ``model_costs`` (``plan_stages``), or in half layers
     (``plan_half_layers``) when ``half_layers``. ValueError for a bad override."""
-    shape = (config.hidden_size, config.intermediate_size, config.vocab_size,
-             config.num_attention_heads, config.num_key_value_heads, config.head_dim)
     num_layers = config.num_hidden_layers
     if half_layers:
-        return plan_half_layers(num_layers, num_stages, **default_half_costs(*shape), override=override)
+        return plan_half_layers(num_layers, num_stages, **model_costs(config, half_layers=True), override=override)
     if override is not None:
         if any(not math.isfinite(n) or n != int(n) for n in override):
             raise ValueError(f"stage_layers {override} splits layers: set parallel.half_layer_stages=true")
         override = [int(n) for n in override]
-    ranges = plan_stages(num_layers, num_stages, **default_costs(*shape), override=override)
+    ranges = plan_stages(num_layers, num_stages, **model_costs(config), override=override)
     return [StageLayers.whole(start, end) for start, end in ranges]
 
 

@@ -321,6 +321,8 @@ class LlamaForCausalLM(nn.Module):
                          mlp=not (last_attention_only and i == end_layer - 1))
             for i in range(start_layer, end_layer)
         )
+        # Layers whose attention this stage runs: one KV cache each (checked on every forward).
+        self.num_attention_layers = sum(layer.self_attn is not None for layer in self.layers)
         self.norm = self.lm_head = None
         if end_layer == num_layers and not last_attention_only:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -386,11 +388,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "set_numerics"):
                 module.set_numerics(numerics)
-
-    @property
-    def num_attention_layers(self) -> int:
-        """Layers whose attention this stage runs: one KV cache each."""
-        return sum(layer.self_attn is not None for layer in self.layers)
 
     @property
     def head_share_weight(self) -> torch.Tensor | None:

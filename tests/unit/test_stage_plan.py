@@ -6,7 +6,6 @@ import pytest
 from pipeserve.parallel.stage_plan import (
     StageLayers,
     default_costs,
-    default_half_costs,
     plan_half_layers,
     plan_model_stages,
     plan_stages,
@@ -175,7 +174,7 @@ def test_half_layers_optimal_against_brute_force():
 
 def test_half_layers_balance_a_head_worth_most_of_a_layer():
     # Llama-3-8B's shape with a 50k vocabulary (the benchmarks'): the head costs 0.94 layers.
-    costs = default_half_costs(4096, 14336, 50304, 32, 8, 128)
+    costs = default_costs(4096, 14336, 50304, 32, 8, 128, half_layers=True)
     assert costs["attention_cost"] + costs["mlp_cost"] == pytest.approx(1.0)
     assert costs["head_cost"] == pytest.approx(default_costs(4096, 14336, 50304, 32, 8, 128)["head_cost"])
     first, last = plan_half_layers(32, 2, **costs)
