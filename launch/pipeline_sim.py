@@ -159,7 +159,7 @@ class _Simulation:
 
     def __init__(self, config: SchedulerConfig, pipe: Pipeline, num_blocks: int, block_size: int) -> None:
         par = pipe.parallel
-        config = dataclasses.replace(config, feedback_distance=par.pp if par.feedback else None)
+        config = dataclasses.replace(config, feedback_distance=par.feedback_distance)
         self.pipe, self.clock = pipe, 0.0
         self.scheduler = Scheduler(config, num_blocks=num_blocks, block_size=block_size,
                                    cost_model=pipe.cost_model if config.time_budget_s else None,
@@ -290,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--head-us", type=float, help="the head and sampling per step (default: the head's weight read)")
     p.add_argument("--hop-us", type=float, default=30.0)
     p.add_argument("--no-feedback", action="store_true")
+    p.add_argument("--decode-groups", type=int, help="decode groups with token feedback (default: pp)")
     p.add_argument("--source", default="arxiv")
     p.add_argument("--rate", type=float, nargs="+", default=[6.0])
     p.add_argument("--num-requests", type=int, default=288)
@@ -305,12 +306,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         shares = tuple(args.shares or layer_shares(shape, args.pp, half_layers=args.half_layers))
         pipe = Pipeline(cost_model=cost_model, layer_shares=shares, head_s=head_s, hop_s=args.hop_us * 1e-6,
-                        parallel=ParallelConfig(pp=args.pp, token_feedback=not args.no_feedback))
+                        parallel=ParallelConfig(pp=args.pp, token_feedback=not args.no_feedback,
+                                                decode_groups=args.decode_groups))
         configs = {run: scheduler_config(run, cost_model, shape.max_position_embeddings) for run in args.runs}
     except ValueError as e:
         p.error(str(e))
     print(f"ideal pp={args.pp} pipeline: layer shares {', '.join(f'{s:.3f}' for s in shares)}, "
-          f"head {head_s * 1e6:.0f} us, hop {args.hop_us:g} us, depth {pipe.parallel.depth}")
+          f"head {head_s * 1e6:.0f} us, hop {args.hop_us:g} us, depth {pipe.parallel.depth}, "
+          f"decode groups {pipe.parallel.feedback_distance or '-'}")
     print("| rate | run | bubble per stage (loaded) | P50 TTFT ms | P99 TBT ms |")
     print("|---|---|---|---|---|")
     for rate in args.rate:

@@ -4,10 +4,11 @@ With pipeline parallelism a request's next decode needs the token its previous m
 samples on the last stage. Without feedback that token travels last stage → engine (ZeroMQ) →
 update → schedule → plan → first stage, and the stages wait for that round trip on every
 micro-batch. With feedback (``parallel.token_feedback``) the engine plans the decode as soon
-as the sampling micro-batch is ``pp`` steps back, before its result is in, and marks the input
-as *fed* (``SeqPlan.feed_step``); the last stage's driver sends each sampling micro-batch's
-token ids to every first-stage rank, and the first stage writes them into its input ids on the
-device. The engine's round trip then runs beside the pipeline instead of stalling it.
+as the sampling micro-batch is ``pp`` steps back (``parallel.decode_groups`` when set), before its
+result is in, and marks the input as *fed* (``SeqPlan.feed_step``); the last stage's driver
+sends each sampling micro-batch's token ids to every first-stage rank, and the first stage
+writes them into its input ids on the device. The engine's round trip then runs beside the
+pipeline instead of stalling it.
 
 Both ends know each message's length from the plans (every rank sees every plan), so only the
 ids travel: one message per micro-batch that samples, in step order, on a communicator of their
@@ -21,13 +22,13 @@ Posted right after plan j (the ids of j arrive only after the last stage has com
 spins beside the first stage's whole compute of j + 1: ``launch/p2p_interference.py`` measured
 16 layers of Llama-3-8B's products at 512 tokens 48% slower beside such a receive (13.5% with
 the group capped at one CTA; H200). So the receive of plan j's ids is posted after plan
-j + pp − 1 is queued, the last one before a plan can be fed from j: it then starts when the
-stage's device has nothing else to do. It is never left unposted while this rank waits for a
-plan (``post`` from the worker's idle loop): the driver's send would stay pending, and a
-device-wide synchronization there (the caching allocator's) could wait for it forever. For the
-same reason posting never allocates: each receive's buffer comes into being when its plan is
-taken, before that plan's hidden states are sent (a synchronization after the send would wait
-for the next stage, which may itself be waiting for this receive).
+j + pp − 1 (decode groups − 1) is queued, the last one before a plan can be fed from j: it then
+starts when the stage's device has nothing else to do. It is never left unposted while this
+rank waits for a plan (``post`` from the worker's idle loop): the driver's send would stay
+pending, and a device-wide synchronization there (the caching allocator's) could wait for it
+forever. For the same reason posting never allocates: each receive's buffer comes into being
+when its plan is taken, before that plan's hidden states are sent (a synchronization after the
+send would wait for the next stage, which may itself be waiting for this receive).
 
 With split sampling (``split_head.py``) a greedy decode step's message is the last stage's
 sampled rows and its partial argmax instead of the ids; posting that step's receives also
@@ -97,17 +98,19 @@ class FeedbackSender:
     """Sends kept before the oldest is waited for (at least; ``max_pending``). gloo reports a
     send completed only once waited for, so without a bound the queue would grow for the
     server's whole life; the first stage, ahead of this one in the pipeline, posts each receive
-    pp − 1 plans after the plan that sampled it (or as soon as it waits), so with more than
-    pp + 1 kept the oldest is long matched and the wait returns at once (on CUDA it only orders
-    the stream)."""
+    distance − 1 plans after the plan that sampled it (or as soon as it waits), so with more
+    than distance + 1 kept the oldest is long matched and the wait returns at once (on CUDA it
+    only orders the stream)."""
 
-    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2,
+    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, distance: int = 2,
                  split: tuple[torch.Tensor, int] | None = None) -> None:
-        """``split``: split sampling's (this stage's rows [V0, V) of the LM head, V0)."""
+        """``distance``: the steps from a sampling step to the decodes it feeds (pp, or
+        ``parallel.decode_groups``). ``split``: split sampling's (this stage's rows [V0, V) of
+        the LM head, V0)."""
         self.group, self.dsts, self.split = group, dsts, split
         self.num_split = 0  # split steps sent
         # (a split step sends two messages: the bound counts steps, not messages)
-        self.max_pending = max(self._MAX_PENDING, pp + 2) * (2 if split is not None else 1)
+        self.max_pending = max(self._MAX_PENDING, distance + 2) * (2 if split is not None else 1)
         self._pending = _SendQueue(self.max_pending)
         self._cuda = False
 
@@ -187,7 +190,8 @@ class FeedbackReceiver:
     def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1,
                  split_weight: torch.Tensor | None = None) -> None:
         """``post_lag``: plans queued after a sampling plan before its receive is posted
-        (``post_due``); pp − 1, so that the receive waits beside no compute. ``split_weight``:
+        (``post_due``); distance − 1 (pp − 1, or ``parallel.decode_groups`` − 1), so that the
+        receive waits beside no compute. ``split_weight``:
         split sampling's rows [0, V0) of the LM head ([V0, H], the model's dtype)."""
         if post_lag < 0:
             raise ValueError(f"post_lag must be >= 0, got {post_lag}")

@@ -28,7 +28,8 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages."""
     num_microbatches_in_flight: int | None = None
-    """Micro-batches in the pipeline at once; None = pp, or pp + 1 with token feedback."""
+    """Micro-batches in the pipeline at once; None = pp, or pp + 1 with token feedback (decode
+    groups + 1 with ``decode_groups``)."""
     token_feedback: bool = True
     """pp > 1: the last stage hands each sampled token to the first stage on the device, so a
     request's next decode is planned before its result reaches the engine and the stages do
@@ -36,6 +37,14 @@ class ParallelConfig:
     once per ``pp`` micro-batches. A request that stops (EOS, a stop string) may have one
     decode more computed and dropped. Measured at pp=2 on 2 × H200 (BENCHMARKS.md): sarathi's
     bubbles while loaded 17.6%/23.4% → 12.3%/14.7% per stage, orca's 56% → 30–40%."""
+    decode_groups: int | None = None
+    """With token feedback: how many groups the running requests decode in, each request once
+    every this many micro-batches; None = pp. With pp groups a request's next decode follows the
+    micro-batch after its sampled one on the first stage, so each step waits for the last stage
+    and the ids' trip back (a chain through every stage per step); one group more gives that
+    trip a micro-batch of slack. Each request then decodes 1/groups of the steps, so its time
+    between tokens grows by groups/pp in steps (more requests share each micro-batch). Must be
+    >= pp; the sampled ids' receive is posted groups − 1 plans after its plan."""
     feedback_max_ctas: int | None = 1
     """NCCL: the CTAs (SMs) each kernel of the token-feedback channel may hold. The first stage
     posts each receive of sampled ids early (``parallel/feedback.py``), and a posted receive holds
@@ -77,6 +86,13 @@ class ParallelConfig:
             raise ValueError(f"feedback_max_ctas must be >= 1 or null, got {self.feedback_max_ctas}")
         if self.stage_layers is not None:
             self._check_stage_layers(self.stage_layers)
+        if self.decode_groups is not None:
+            if isinstance(self.decode_groups, bool) or not isinstance(self.decode_groups, int):
+                raise ValueError(f"decode_groups must be an int or null, got {self.decode_groups!r}")
+            if not self.feedback:
+                raise ValueError("decode_groups needs token feedback (pp > 1 and token_feedback=true)")
+            if self.decode_groups < self.pp:
+                raise ValueError(f"decode_groups must be >= pp={self.pp}, got {self.decode_groups}")
         if not 0 < self.liveness_timeout_s <= 30:
             raise ValueError("liveness_timeout_s must be in (0, 30]")
 
@@ -105,8 +121,14 @@ class ParallelConfig:
         return self.token_feedback and self.pp > 1
 
     @property
+    def feedback_distance(self) -> int | None:
+        """With token feedback, the micro-batches between a request's sampling step and its next
+        decode (``SchedulerConfig.feedback_distance``): the decode groups; None without feedback."""
+        return (self.decode_groups or self.pp) if self.feedback else None
+
+    @property
     def depth(self) -> int:
-        return self.num_microbatches_in_flight or (self.pp + 1 if self.feedback else self.pp)
+        return self.num_microbatches_in_flight or (self.feedback_distance + 1 if self.feedback else self.pp)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -121,34 +121,38 @@ def test_pipelined_chunks_and_decodes():
     assert max(len(r.in_flight) for r in records) == 2
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2pp2"])
-def test_token_feedback_matches_single_process(reference, tp, pp):
+@pytest.mark.parametrize("tp, pp, groups", [(1, 2, None), (2, 2, None), (1, 2, 3)], ids=["pp2", "tp2pp2", "pp2-groups3"])
+def test_token_feedback_matches_single_process(reference, tp, pp, groups):
     """Token feedback: decodes planned before their input token is back at the engine, the
     last stage handing it to every first-stage rank (two with tp=2) over gloo. Same greedy
     tokens; fed decodes really happened (a request sampling in two micro-batches in flight at
-    once, ``pp`` steps apart, the later one continuing where the earlier ends)."""
+    once, ``pp`` steps apart, or ``parallel.decode_groups``, the later one continuing where the
+    earlier ends)."""
     from pipeserve.runtime.config import EngineConfig, ParallelConfig
     from pipeserve.scheduler import SchedulerConfig
 
     config = EngineConfig(
         device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512, record_steps=True,
         scheduler=SchedulerConfig(max_num_batched_tokens=40),
-        parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=True),
+        parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=True, decode_groups=groups),
     )
     with LLM.from_config(config) as llm:
         outs = llm.chat(chats(), GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert llm.engine.scheduler.block_manager.num_free_blocks == 256
         records = llm.engine.step_records
+    distance = groups or pp
     by_step = {r.step_id: r for r in records}
-    fed = 0
+    fed, gaps = 0, set()
     for r in records:
         for rid, start, n, sample in r.seqs:
             for other in (by_step[s] for s in r.in_flight if s < r.step_id):
                 for orid, ostart, on, osample in other.seqs:
                     if orid == rid and osample:  # planned before that token was back: fed
                         assert sample and n == 1 and start == ostart + on
-                        assert r.step_id - other.step_id >= pp
+                        assert r.step_id - other.step_id >= distance
                         fed += 1
+                        gaps.add(r.step_id - other.step_id)
     assert fed > 0, "no decode was fed"
-    assert max(len(r.in_flight) for r in records) == pp + 1
+    assert min(gaps) == distance
+    assert max(len(r.in_flight) for r in records) == distance + 1

@@ -230,6 +230,21 @@ def test_feedback_max_ctas_is_validated():
         ParallelConfig(pp=2, feedback_max_ctas=0)
 
 
+def test_decode_groups_set_the_feedback_distance():
+    from pipeserve.runtime.config import ParallelConfig
+
+    assert ParallelConfig(pp=2).feedback_distance == 2 and ParallelConfig(pp=2).depth == 3
+    groups = ParallelConfig(pp=2, decode_groups=3)
+    assert groups.feedback_distance == 3 and groups.depth == 4
+    assert ParallelConfig(pp=2, decode_groups=3, num_microbatches_in_flight=3).depth == 3
+    assert ParallelConfig(pp=2, token_feedback=False).feedback_distance is None
+    for bad, match in (({"pp": 3, "decode_groups": 2}, ">= pp=3"), ({"pp": 1, "decode_groups": 2}, "token feedback"),
+                       ({"pp": 2, "token_feedback": False, "decode_groups": 3}, "token feedback"),
+                       ({"pp": 2, "decode_groups": 2.5}, "int")):
+        with pytest.raises(ValueError, match=match):
+            ParallelConfig(**bad)
+
+
 def decode_micro_batches(balance: bool, *, num_requests=8, iterations=14):
     """Eight short prompts admitted together, then decodes with 3 micro-batches in flight
     (pp = 2): each planned micro-batch's size, and how often the engine found nothing to plan
