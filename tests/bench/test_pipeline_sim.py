@@ -67,6 +67,26 @@ def test_fed_decodes_wait_for_their_ids():
         assert span.start == pytest.approx(max(last_end[source] + hop, previous_end[span.step_id]))
 
 
+def test_a_third_decode_group_hides_the_ids_trip():
+    """Three requests offline at pp=2, 0.5 ms a stage, 0.2 ms hops. With two decode groups a
+    group's next step waits on stage 0 for its previous one to leave stage 1 and its ids to come
+    back (0.4 ms idle per pair of steps); with three (``parallel.decode_groups``) each decode is
+    fed from three steps back, and by then its ids are there: stage 0 runs without a gap."""
+    specs = [RequestSpec(i, 0.0, 4, 30) for i in range(3)]
+
+    def stage0_idle(run):
+        spans = run.timelines[0].spans[6:]  # past the prompts and the first, unfed decodes
+        return sum(b.start - a.end for a, b in zip(spans, spans[1:]))
+
+    two = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS))
+    three = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}))
+    assert {s.step_id - src for s in two.timelines[0].spans for src in two.fed_from[s.step_id]} == {2}
+    assert {s.step_id - src for s in three.timelines[0].spans for src in three.fed_from[s.step_id]} == {3}
+    assert stage0_idle(two) > 20 * 0.4 * MS / 2
+    assert stage0_idle(three) == pytest.approx(0.0, abs=1e-9)
+    assert [r.num_output_tokens for r in three.requests] == [30] * 3
+
+
 def test_spans_respect_every_dependency():
     """A random arXiv-like load: stages run in step order without overlap, each stage after the
     one before plus the hop, fed decodes after the step they take their ids from; the head
@@ -142,6 +162,8 @@ def test_command_line(tmp_path, capsys):
     rows = [line.split(" | ") for line in lines[3:]]
     assert [r[1] for r in rows] == ["sarathi:128", "orca"]
     assert all(r[2].count("%") == 4 for r in rows)
+    sim.main(["--cost-model", str(path), "--runs", "sarathi:128", "--num-requests", "6", "--decode-groups", "3"])
+    assert "depth 4, decode groups 3" in capsys.readouterr().out.splitlines()[0]
     # Fewer requests than the pipeline's depth: no loaded window, still a table.
     sim.main(["--cost-model", str(path), "--runs", "sarathi:128", "--num-requests", "2", "--max-output-len", "1"])
     assert "(-)" in capsys.readouterr().out
