@@ -105,7 +105,9 @@ class SimRun:
                              arrivals={r.request_id: r.arrival for r in self.requests}, t0=0.0,
                              prompt_lens={r.request_id: r.num_prompt_tokens for r in self.requests})
         result = {**self.summary(), "config": {"parallel": {"pp": self.parallel.pp,
-                                                            "token_feedback": self.parallel.token_feedback}}}
+                                                            "token_feedback": self.parallel.token_feedback,
+                                                            "decode_groups": self.parallel.decode_groups,
+                                                            "depth": self.parallel.depth}}}
         for name, data in (("trace.json", trace), ("result.json", result)):
             with open(os.path.join(folder, name), "w") as f:
                 json.dump(data, f)
@@ -159,7 +161,8 @@ class _Simulation:
 
     def __init__(self, config: SchedulerConfig, pipe: Pipeline, num_blocks: int, block_size: int) -> None:
         par = pipe.parallel
-        config = dataclasses.replace(config, feedback_distance=par.feedback_distance)
+        config = dataclasses.replace(config, feedback_distance=par.feedback_distance,
+                                     min_feedback_distance=par.pp if par.feedback else None)
         self.pipe, self.clock = pipe, 0.0
         self.scheduler = Scheduler(config, num_blocks=num_blocks, block_size=block_size,
                                    cost_model=pipe.cost_model if config.time_budget_s else None,

@@ -4,8 +4,8 @@ With pipeline parallelism a request's next decode needs the token its previous m
 samples on the last stage. Without feedback that token travels last stage → engine (ZeroMQ) →
 update → schedule → plan → first stage, and the stages wait for that round trip on every
 micro-batch. With feedback (``parallel.token_feedback``) the engine plans the decode as soon
-as the sampling micro-batch is ``pp`` steps back (``parallel.decode_groups`` when set), before its
-result is in, and marks the input as *fed* (``SeqPlan.feed_step``); the last stage's driver
+as the sampling micro-batch is ``pp`` steps back (``parallel.decode_groups`` steps when set),
+before its result is in, and marks the input as *fed* (``SeqPlan.feed_step``); the last stage's driver
 sends each sampling micro-batch's token ids to every first-stage rank, and the first stage
 writes them into its input ids on the device. The engine's round trip then runs beside the
 pipeline instead of stalling it.
@@ -22,7 +22,8 @@ Posted right after plan j (the ids of j arrive only after the last stage has com
 spins beside the first stage's whole compute of j + 1: ``launch/p2p_interference.py`` measured
 16 layers of Llama-3-8B's products at 512 tokens 48% slower beside such a receive (13.5% with
 the group capped at one CTA; H200). So the receive of plan j's ids is posted after plan
-j + pp − 1 (decode groups − 1) is queued, the last one before a plan can be fed from j: it then
+j + pp − 1 is queued, when j's ids are due (the last plan before one could be fed from j with
+pp decode groups; with more, a fed plan comes later still and finds them there): it then
 starts when the stage's device has nothing else to do. It is never left unposted while this
 rank waits for a plan (``post`` from the worker's idle loop): the driver's send would stay
 pending, and a device-wide synchronization there (the caching allocator's) could wait for it
@@ -98,9 +99,9 @@ class FeedbackSender:
     """Sends kept before the oldest is waited for (at least; ``max_pending``). gloo reports a
     send completed only once waited for, so without a bound the queue would grow for the
     server's whole life; the first stage, ahead of this one in the pipeline, posts each receive
-    distance − 1 plans after the plan that sampled it (or as soon as it waits), so with more
-    than distance + 1 kept the oldest is long matched and the wait returns at once (on CUDA it
-    only orders the stream)."""
+    pp − 1 plans after the plan that sampled it (or as soon as it waits), so with more than
+    distance + 1 kept (distance >= pp) the oldest is long matched and the wait returns at once
+    (on CUDA it only orders the stream)."""
 
     def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, distance: int = 2,
                  split: tuple[torch.Tensor, int] | None = None) -> None:
@@ -190,9 +191,10 @@ class FeedbackReceiver:
     def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1,
                  split_weight: torch.Tensor | None = None) -> None:
         """``post_lag``: plans queued after a sampling plan before its receive is posted
-        (``post_due``); distance − 1 (pp − 1, or ``parallel.decode_groups`` − 1), so that the
-        receive waits beside no compute. ``split_weight``:
-        split sampling's rows [0, V0) of the LM head ([V0, H], the model's dtype)."""
+        (``post_due``); pp − 1, so that the receive waits beside no compute (whatever
+        ``parallel.decode_groups``: posting later would leave the driver's send pending longer).
+        ``split_weight``: split sampling's rows [0, V0) of the LM head ([V0, H], the model's
+        dtype)."""
         if post_lag < 0:
             raise ValueError(f"post_lag must be >= 0, got {post_lag}")
         self.group, self.src, self.device, self.post_lag = group, src, device, post_lag

@@ -143,6 +143,7 @@ class LLMEngine:
         sched_config = dataclasses.replace(
             config.scheduler, max_model_len=max_model_len,
             feedback_distance=config.parallel.feedback_distance,
+            min_feedback_distance=config.parallel.pp if config.parallel.feedback else None,
         )
         try:
             self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size,
@@ -399,7 +400,7 @@ def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
     return DistributedExecutor(
         world_size=par.world_size, depth=par.depth, host=par.bind_host,
         liveness_timeout_s=par.liveness_timeout_s, launch=launch,
-        split_post_lag=par.feedback_distance - 1 if config.split_sampling else None,
+        split_post_lag=par.pp - 1 if config.split_sampling else None,
     )
 
 

@@ -118,7 +118,7 @@ class DistributedExecutor:
         """`launch(plan_endpoint, result_endpoint)` starts the workers and returns a Popen
         (or None when they are started by someone else, e.g. SPMD under torchrun).
         ``split_post_lag``: with split sampling, the plans the first stage takes after a step
-        before it posts that step's feedback (the feedback distance − 1); None without."""
+        before it posts that step's feedback (pp − 1); None without."""
         self.max_in_flight = depth
         self._start_plans(split_post_lag)
         self.channel = EngineChannel(
@@ -188,7 +188,7 @@ class DistributedExecutor:
             self._submitted.popleft()
         if plan.step_id in self._split_steps:
             self._split_steps.discard(plan.step_id)
-            # Its ids need the first stage, which posts the step only after distance - 1 later plans:
+            # Its ids need the first stage, which posts the step only after pp - 1 later plans:
             # with fewer in flight (nothing else to run) it would wait its idle timeout first.
             if later < self._split_post_lag:
                 self.channel.send_plan(PostFeedback(step_id=plan.step_id))

@@ -117,6 +117,8 @@ class BatchBuilder:
         self.num_over_budget_tokens = 0
         self._num_admitted = 0
         self._ids: set[str] = set()
+        self._decoding = sum(1 for r in running if r.num_pending_tokens or r.num_remaining_tokens == 1)
+        self.feed_distance = self._feed_distance()
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -142,15 +144,26 @@ class BatchBuilder:
         return [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
 
     def decode_share(self) -> int:
-        """Most decodes this micro-batch may take: ceil(decoding requests / feedback_distance)
+        """Most decodes this micro-batch may take: ceil(decoding requests / feed_distance)
         with token feedback and ``balance_decodes`` (``SchedulerConfig.balance_decodes``), else
         no limit. A decoding request is running with its prompt done: its newest token is
         pending (sampled in flight) or the one token it has left to compute."""
-        distance = self.config.feedback_distance
+        distance = self.feed_distance
         if distance is None or distance < 2 or not self.config.balance_decodes:
             return len(self.running)
-        decoding = sum(1 for r in self.running if r.num_pending_tokens or r.num_remaining_tokens == 1)
-        return -(-decoding // distance)
+        return -(-self._decoding // distance)
+
+    def _feed_distance(self) -> int | None:
+        """The steps a fed decode needs since its token's: ``feedback_distance``, or with more
+        decode groups than stages (``min_feedback_distance`` below it) and balanced decodes, the
+        groups this step's decoding requests fill (never fewer than ``min_feedback_distance``):
+        a group left empty would leave a micro-batch without decodes."""
+        config = self.config
+        distance, least = config.feedback_distance, config.min_feedback_distance
+        if distance is None or least is None or least >= distance or not config.balance_decodes or not self._decoding:
+            return distance
+        per_group = -(-self._decoding // distance)
+        return max(least, min(distance, -(-self._decoding // per_group)))
 
     def running_prefills(self) -> list[Request]:
         """Schedulable running requests with more than one token left, in arrival order."""
@@ -299,12 +312,12 @@ class BatchBuilder:
 
     def _can_feed(self, request: Request) -> bool:
         """Token feedback: a decode whose input is its newest pending token may join, if that
-        token's step is ``feedback_distance`` steps back (the first stage gets it from the last
+        token's step is ``feed_distance`` steps back (the first stage gets it from the last
         in time) and the token it samples is within max_tokens and max_model_len."""
         pending = request.num_pending_tokens
         if not pending or request.status is not RequestStatus.RUNNING:
             return False
-        if self.step_id - request.sample_step < self.config.feedback_distance:
+        if self.step_id - request.sample_step < self.feed_distance:
             return False
         if request.request_id in self._ids:
             return False

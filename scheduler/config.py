@@ -72,9 +72,16 @@ class SchedulerConfig:
     feedback_distance: int | None = None
     """Token feedback (set by the engine for pipeline parallelism, ``parallel.token_feedback``):
     a request whose sampled token is not back yet may have its next decode scheduled once this
-    many micro-batches (the number of stages) have been scheduled since the one that samples
-    it; the last stage hands the token to the first on the device. None: a request waits for
-    its token (``Scheduler.update``) before its next decode."""
+    many micro-batches (the number of stages, or ``parallel.decode_groups``) have been scheduled
+    since the one that samples it; the last stage hands the token to the first on the device.
+    None: a request waits for its token (``Scheduler.update``) before its next decode."""
+
+    min_feedback_distance: int | None = None
+    """With balanced decodes and a feedback distance above this (more decode groups than stages,
+    set by the engine to pp): the distance a step uses is the number of groups the decoding
+    requests fill, ceil(decoding / ceil(decoding / feedback_distance)), but not below this.
+    Two requests cannot fill three groups: at distance three every third micro-batch would have
+    no decode, plan empty, and send the engine waiting for a result. None: feedback_distance."""
 
     balance_decodes: bool = True
     """With token feedback: no micro-batch takes more than its share of the decoding requests,
@@ -108,5 +115,11 @@ class SchedulerConfig:
             not isinstance(self.feedback_distance, int) or self.feedback_distance < 1
         ):
             raise ValueError(f"feedback_distance must be a positive int or None, got {self.feedback_distance!r}")
+        if self.min_feedback_distance is not None and (
+            not isinstance(self.min_feedback_distance, int) or self.feedback_distance is None
+            or not 1 <= self.min_feedback_distance <= self.feedback_distance
+        ):
+            raise ValueError(f"min_feedback_distance must be an int in [1, feedback_distance], got "
+                             f"{self.min_feedback_distance!r} (feedback_distance {self.feedback_distance!r})")
         if self.prefix_grouping and not self.enable_prefix_caching:
             raise ValueError("prefix_grouping needs enable_prefix_caching")

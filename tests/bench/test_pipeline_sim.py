@@ -82,9 +82,12 @@ def test_a_third_decode_group_hides_the_ids_trip():
     three = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}))
     assert {s.step_id - src for s in two.timelines[0].spans for src in two.fed_from[s.step_id]} == {2}
     assert {s.step_id - src for s in three.timelines[0].spans for src in three.fed_from[s.step_id]} == {3}
-    assert stage0_idle(two) > 20 * 0.4 * MS / 2
+    assert stage0_idle(two) == pytest.approx(26 * 0.4 * MS)  # a trip's 0.4 ms per pair of steps
     assert stage0_idle(three) == pytest.approx(0.0, abs=1e-9)
     assert [r.num_output_tokens for r in three.requests] == [30] * 3
+    # Two requests fill only two groups: they decode in two, fed from two steps back.
+    pair = sim.simulate(specs[:2], SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}))
+    assert {s.step_id - src for s in pair.timelines[0].spans for src in pair.fed_from[s.step_id]} == {2}
 
 
 def test_spans_respect_every_dependency():

@@ -80,7 +80,7 @@ class Pipeline:
 def drive(sched: Scheduler, reqs, num_outputs, *, depth: int, max_steps=5_000):
     """The engine's side: up to ``depth`` micro-batches in flight, results back in order; a
     request stops (as at EOS) once it has its ``num_outputs``."""
-    distance = sched.config.feedback_distance
+    distance = sched.config.min_feedback_distance or sched.config.feedback_distance
     pipe = Pipeline(sched.block_manager.block_size)
     limit = {r.request_id: n for r, n in zip(reqs, num_outputs)}
     for r in reqs:
@@ -234,15 +234,60 @@ def test_decode_groups_set_the_feedback_distance():
     from pipeserve.runtime.config import ParallelConfig
 
     assert ParallelConfig(pp=2).feedback_distance == 2 and ParallelConfig(pp=2).depth == 3
+    assert ParallelConfig(pp=2, decode_groups=2).feedback_distance == 2
     groups = ParallelConfig(pp=2, decode_groups=3)
     assert groups.feedback_distance == 3 and groups.depth == 4
-    assert ParallelConfig(pp=2, decode_groups=3, num_microbatches_in_flight=3).depth == 3
+    assert ParallelConfig(pp=2, decode_groups=3, num_microbatches_in_flight=5).depth == 5
     assert ParallelConfig(pp=2, token_feedback=False).feedback_distance is None
     for bad, match in (({"pp": 3, "decode_groups": 2}, ">= pp=3"), ({"pp": 1, "decode_groups": 2}, "token feedback"),
                        ({"pp": 2, "token_feedback": False, "decode_groups": 3}, "token feedback"),
-                       ({"pp": 2, "decode_groups": 2.5}, "int")):
+                       ({"pp": 2, "decode_groups": 2.5}, "int"), ({"pp": 2, "decode_groups": True}, "int"),
+                       ({"pp": 2, "decode_groups": 3, "num_microbatches_in_flight": 3}, "in flight")):
         with pytest.raises(ValueError, match=match):
             ParallelConfig(**bad)
+    with pytest.raises(ValueError, match="min_feedback_distance"):
+        SchedulerConfig(feedback_distance=2, min_feedback_distance=3)
+    with pytest.raises(ValueError, match="min_feedback_distance"):
+        SchedulerConfig(min_feedback_distance=2)
+
+
+def plan_sizes(num_requests, *, least, distance=3, depth=4, iterations=40):
+    """Short prompts admitted together, then decodes with ``depth`` micro-batches in flight: each
+    planned micro-batch's size, how often the engine found nothing to plan, and how many decodes
+    were fed."""
+    sched = scheduler("sarathi", distance=distance, min_feedback_distance=least, num_blocks=256,
+                      max_num_batched_tokens=64)
+    for r in requests([3] * num_requests):
+        sched.add_request(r)
+    pipe, inflight, sizes, empty = Pipeline(4), deque(), [], 0
+    for _ in range(iterations):
+        out = sched.schedule()
+        if out.is_empty:
+            empty += 1
+        else:
+            pipe.run(out, least or distance)
+            inflight.append(out)
+            sizes.append(len(out.scheduled))
+        if inflight and (len(inflight) >= depth or out.is_empty):
+            done = inflight.popleft()
+            sched.update(done, pipe.sampled[done.step_id])
+    return sizes, empty, pipe.num_fed
+
+
+@pytest.mark.parametrize("num_requests, groups", [(2, 2), (3, 3), (4, 2), (5, 3), (7, 3)])
+def test_decode_groups_shrink_to_what_the_requests_fill(num_requests, groups):
+    """Three decode groups at pp=2 (distance 3, at least 2): two or four requests fill only two
+    groups (ceil(4 / 3) = 2 a micro-batch), so they decode in two; three, five or seven fill
+    three. Either way no plan comes up empty once decoding (only the first, behind the prompt
+    step), every micro-batch takes its share, and decodes are fed."""
+    sizes, empty, fed = plan_sizes(num_requests, least=2)
+    share = -(-num_requests // groups)
+    assert empty == 1 and fed > 0
+    assert max(sizes[1:]) == share and sum(sizes[1:groups + 1]) == num_requests
+    # Without the fallback, two requests at distance 3 leave every third micro-batch empty.
+    if num_requests == 2:
+        _, empty, _ = plan_sizes(2, least=None)
+        assert empty > 5
 
 
 def decode_micro_batches(balance: bool, *, num_requests=8, iterations=14):
