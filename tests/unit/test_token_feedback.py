@@ -251,12 +251,12 @@ def test_decode_groups_set_the_feedback_distance():
         SchedulerConfig(min_feedback_distance=2)
 
 
-def plan_sizes(num_requests, *, least, distance=3, depth=4, iterations=40):
+def plan_sizes(num_requests, *, least=None, distance=3, depth=4, iterations=40, balance=True):
     """Short prompts admitted together, then decodes with ``depth`` micro-batches in flight: each
-    planned micro-batch's size, how often the engine found nothing to plan, and how many decodes
-    were fed."""
+    planned micro-batch's size, how often the engine found nothing to plan (the pipeline a
+    micro-batch short: it waits for a result), and how many decodes were fed."""
     sched = scheduler("sarathi", distance=distance, min_feedback_distance=least, num_blocks=256,
-                      max_num_batched_tokens=64)
+                      max_num_batched_tokens=64, balance_decodes=balance)
     for r in requests([3] * num_requests):
         sched.add_request(r)
     pipe, inflight, sizes, empty = Pipeline(4), deque(), [], 0
@@ -290,36 +290,14 @@ def test_decode_groups_shrink_to_what_the_requests_fill(num_requests, groups):
         assert empty > 5
 
 
-def decode_micro_batches(balance: bool, *, num_requests=8, iterations=14):
-    """Eight short prompts admitted together, then decodes with 3 micro-batches in flight
-    (pp = 2): each planned micro-batch's size, and how often the engine found nothing to plan
-    (the pipeline a micro-batch short) and had to wait for a result."""
-    sched = scheduler("sarathi", distance=2, num_blocks=128, max_num_batched_tokens=64, balance_decodes=balance)
-    for r in requests([3] * num_requests):
-        sched.add_request(r)
-    pipe, inflight, sizes, empty = Pipeline(4), deque(), [], 0
-    for _ in range(iterations):
-        out = sched.schedule()
-        if out.is_empty:
-            empty += 1
-        else:
-            pipe.run(out, 2)
-            inflight.append(out)
-            sizes.append(len(out.scheduled))
-        if inflight and (len(inflight) >= 3 or out.is_empty):
-            done = inflight.popleft()
-            sched.update(done, pipe.sampled[done.step_id])
-    return sizes, empty
-
-
 def test_balanced_decodes_keep_the_pipeline_full():
     """All eight decode in one group after their prompts: with balancing, the next micro-batch
     takes four and the one after the other four, and from then on every planned micro-batch
     has four (the engine never runs short); without it, each micro-batch takes all eight and
     every other plan comes up empty."""
-    sizes, empty = decode_micro_batches(True)
+    sizes, empty, _ = plan_sizes(8, distance=2, depth=3, iterations=14)
     assert sizes[0] == 8 and set(sizes[1:]) == {4} and empty == 1
-    sizes, empty = decode_micro_batches(False)
+    sizes, empty, _ = plan_sizes(8, distance=2, depth=3, iterations=14, balance=False)
     assert set(sizes) == {8} and empty >= len(sizes) - 1
 
 
