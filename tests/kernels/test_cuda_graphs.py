@@ -435,7 +435,8 @@ def tiny_folder(tmp_path) -> str:
 
 
 def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: int = 1,
-                    token_feedback: bool = False, stage_layers: list[float] | None = None):
+                    token_feedback: bool = False, stage_layers: list[float] | None = None,
+                    decode_groups: int | None = None):
     """Greedy token ids of 24 prompts of varied lengths and output lengths, so the decode
     batch shrinks through many (padded) bucket sizes and prompts are chunked beside decodes
     (mixed buckets); also the runner's replay counts (all, mixed), None without a runner."""
@@ -451,7 +452,7 @@ def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: 
         cuda_graphs_in_workers=tp * pp > 1,
         scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=32),
         parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback, stage_layers=stage_layers,
-                                half_layer_stages=stage_layers is not None),
+                                half_layer_stages=stage_layers is not None, decode_groups=decode_groups),
     )
     with LLM.from_config(config) as llm:
         outs = llm.generate(prompts, params)
@@ -479,17 +480,19 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp, pp, feedback, stage_layers",
-                         [(2, 1, False, None), (1, 2, False, None), (1, 2, True, None), (1, 2, True, [0.5, 1.5])],
-                         ids=["tp2", "pp2", "pp2-feedback", "pp2-half-layers"])
-def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback, stage_layers):
+@pytest.mark.parametrize("tp, pp, feedback, stage_layers, groups",
+                         [(2, 1, False, None, None), (1, 2, False, None, None), (1, 2, True, None, None),
+                          (1, 2, True, [0.5, 1.5], None), (1, 2, True, None, 3)],
+                         ids=["tp2", "pp2", "pp2-feedback", "pp2-half-layers", "pp2-groups3"])
+def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback, stage_layers, groups):
     """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside;
     token feedback: NCCL ids from the last stage patched into the static input ids before a
-    replay; half layers: the first stage ends with layer 0's attention). It checks outputs only, not
-    that the workers replayed."""
+    replay; half layers: the first stage ends with layer 0's attention; three decode groups:
+    decodes fed from two or three steps back). It checks outputs only, not that the workers
+    replayed."""
     eager, _ = generate_greedy(tiny_folder, device="cuda", graphs=False)
     graphed, _ = generate_greedy(tiny_folder, device="cuda", graphs=True, tp=tp, pp=pp, token_feedback=feedback,
-                                 stage_layers=stage_layers)
+                                 stage_layers=stage_layers, decode_groups=groups)
     assert graphed == eager
 
 
