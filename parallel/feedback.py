@@ -4,7 +4,7 @@ With pipeline parallelism a request's next decode needs the token its previous m
 samples on the last stage. Without feedback that token travels last stage → engine (ZeroMQ) →
 update → schedule → plan → first stage, and the stages wait for that round trip on every
 micro-batch. With feedback (``parallel.token_feedback``) the engine plans the decode as soon
-as the sampling micro-batch is ``pp`` steps back (``parallel.decode_groups`` steps when set),
+as the sampling micro-batch is ``pp`` steps back (up to ``parallel.decode_groups`` when set),
 before its result is in, and marks the input as *fed* (``SeqPlan.feed_step``); the last stage's driver
 sends each sampling micro-batch's token ids to every first-stage rank, and the first stage
 writes them into its input ids on the device. The engine's round trip then runs beside the

@@ -34,8 +34,9 @@ class ParallelConfig:
     """pp > 1: the last stage hands each sampled token to the first stage on the device, so a
     request's next decode is planned before its result reaches the engine and the stages do
     not wait for the engine's round trip (``parallel/feedback.py``). A request still decodes
-    once per ``pp`` micro-batches (``decode_groups``). A request that stops (EOS, a stop
-    string) may have one decode more computed and dropped. Measured at pp=2 on 2 × H200 (BENCHMARKS.md): sarathi's
+    at most once per ``pp`` micro-batches (per ``decode_groups`` while enough requests decode to
+    fill them). A request that stops (EOS, a stop string) may have one decode more computed
+    and dropped. Measured at pp=2 on 2 × H200 (BENCHMARKS.md): sarathi's
     bubbles while loaded 17.6%/23.4% → 12.3%/14.7% per stage, orca's 56% → 30–40%."""
     decode_groups: int | None = None
     """With token feedback: how many groups the running requests decode in, each request once
@@ -47,9 +48,10 @@ class ParallelConfig:
     >= pp, and below ``num_microbatches_in_flight`` (default groups + 1). While fewer requests
     decode than fill the groups, the scheduler uses as many groups as they fill, at least pp
     (``SchedulerConfig.min_feedback_distance``). Measured at pp=2 on 2 × H100 (Llama-3-8B shape,
-    arXiv at 8 req/s, time budget, half layers; BENCHMARKS.md, eleventh session): three groups
-    1.2% / 3.0% bubbles against 6.0% / 8.8% with two in an earlier call, P99 TBT 21 ms. Off (pp)
-    by default until repeated and run through the GPU tests."""
+    arXiv at 8 req/s, time budget, half layers; BENCHMARKS.md, eleventh session, call rate4,
+    before the review's changes): three groups 1.2% / 3.0% bubbles against 6.0% / 8.8% with two
+    in an earlier call, P99 TBT 21 ms. Off (pp) by default until repeated at the landed code and
+    run through the GPU tests (``.ci/gpu_multi rate5``)."""
     feedback_max_ctas: int | None = 1
     """NCCL: the CTAs (SMs) each kernel of the token-feedback channel may hold. The first stage
     posts each receive of sampled ids early (``parallel/feedback.py``), and a posted receive holds
@@ -98,7 +100,8 @@ class ParallelConfig:
                 raise ValueError("decode_groups needs token feedback (pp > 1 and token_feedback=true)")
             if self.decode_groups < self.pp:
                 raise ValueError(f"decode_groups must be >= pp={self.pp}, got {self.decode_groups}")
-            if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight <= self.decode_groups:
+            if (self.decode_groups > self.pp and self.num_microbatches_in_flight is not None
+                    and self.num_microbatches_in_flight <= self.decode_groups):
                 raise ValueError(f"decode_groups={self.decode_groups} needs more micro-batches in flight than groups "
                                  f"(a fed decode's step and the groups after it), got {self.num_microbatches_in_flight}")
         if not 0 < self.liveness_timeout_s <= 30:

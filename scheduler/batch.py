@@ -117,8 +117,11 @@ class BatchBuilder:
         self.num_over_budget_tokens = 0
         self._num_admitted = 0
         self._ids: set[str] = set()
-        self._decoding = sum(1 for r in running if r.num_pending_tokens or r.num_remaining_tokens == 1)
+        self._decoding = 0  # decoding requests (prompt done): counted only where the balance needs them
+        if config.feedback_distance is not None and config.balance_decodes:
+            self._decoding = sum(1 for r in running if r.num_pending_tokens or r.num_remaining_tokens == 1)
         self.feed_distance = self._feed_distance()
+        self._fed_after = self.feed_distance  # steps a fed decode's token must be back (see running_decodes)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -141,7 +144,16 @@ class BatchBuilder:
         if self.config.feedback_distance is None:
             return [r for r in self.running if r.num_remaining_tokens == 1 and unblocked(r)]
         fed = self._can_feed
-        return [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
+        decodes = [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
+        least = self.config.min_feedback_distance
+        if not decodes and least is not None and least < self.feed_distance:
+            # The groups just grew (more requests decode): every one decoded within the last
+            # feed_distance steps. Take this step's share from min_feedback_distance back rather
+            # than leave it without decodes (empty, the engine would wait for a result); the
+            # share stays that of feed_distance groups, so the new group forms.
+            self._fed_after = least
+            decodes = [r for r in self.running if fed(r)]
+        return decodes
 
     def decode_share(self) -> int:
         """Most decodes this micro-batch may take: ceil(decoding requests / feed_distance)
@@ -317,7 +329,7 @@ class BatchBuilder:
         pending = request.num_pending_tokens
         if not pending or request.status is not RequestStatus.RUNNING:
             return False
-        if self.step_id - request.sample_step < self.feed_distance:
+        if self.step_id - request.sample_step < self._fed_after:
             return False
         if request.request_id in self._ids:
             return False

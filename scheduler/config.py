@@ -85,8 +85,9 @@ class SchedulerConfig:
 
     balance_decodes: bool = True
     """With token feedback: no micro-batch takes more than its share of the decoding requests,
-    ceil(decoding / feedback_distance), the longest-waiting first. Each request decodes in
-    every ``feedback_distance``-th micro-batch, so requests fall into that many groups; a group
+    ceil(decoding / distance), the longest-waiting first, where the distance is
+    ``feedback_distance`` (or fewer groups, ``min_feedback_distance``). Each request decodes in
+    every distance-th micro-batch, so requests fall into that many groups; a group
     left empty (all decodes admitted into the same micro-batch, or one group finishing first)
     leaves the pipeline a micro-batch short and a stage idle until the sampled tokens are back.
     Holding the excess back one step moves it into the short group (vLLM's pipeline keeps

@@ -82,7 +82,8 @@ def test_a_third_decode_group_hides_the_ids_trip():
     three = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}))
     assert {s.step_id - src for s in two.timelines[0].spans for src in two.fed_from[s.step_id]} == {2}
     assert {s.step_id - src for s in three.timelines[0].spans for src in three.fed_from[s.step_id]} == {3}
-    assert stage0_idle(two) == pytest.approx(26 * 0.4 * MS)  # a trip's 0.4 ms per pair of steps
+    # Past the first six spans, 26 pairs of decode steps, each waiting 0.4 ms (two hops) on stage 0.
+    assert stage0_idle(two) == pytest.approx(26 * 0.4 * MS)
     assert stage0_idle(three) == pytest.approx(0.0, abs=1e-9)
     assert [r.num_output_tokens for r in three.requests] == [30] * 3
     # Two requests fill only two groups: they decode in two, fed from two steps back.

@@ -66,7 +66,7 @@ def test_split_sampling_matches_one_process(tmp_path, device, tied):
     assert [len(tokens) for tokens, _ in one] == [12] * 4 + [5] * 3
     assert _run(model, device, pp=2, split_lm_head=True) == one
     assert _run(model, device, pp=2) == one  # (off by default)
-    if device == "cpu" and not tied:  # three decode groups: split steps fed from 2 or 3 steps back
+    if device == "cpu" and not tied:  # three decode groups (split steps among them)
         assert _run(model, device, pp=2, split_lm_head=True, decode_groups=3) == one
 
 

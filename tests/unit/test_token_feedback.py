@@ -108,10 +108,11 @@ def drive(sched: Scheduler, reqs, num_outputs, *, depth: int, max_steps=5_000):
 
 
 @pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "faster_transformer"])
-@pytest.mark.parametrize("distance", [2, 3])
-def test_outputs_match_greedy_reference(policy, distance):
+@pytest.mark.parametrize("distance, least", [(2, None), (3, None), (3, 2)], ids=["2", "3", "3-least2"])
+def test_outputs_match_greedy_reference(policy, distance, least):
+    """(3-least2: three decode groups at pp=2, the distance changing with the decoding requests.)"""
     lens, outs = [5, 17, 3, 9, 30, 2], [6, 4, 9, 1, 5, 7]
-    sched = scheduler(policy, distance=distance, max_num_batched_tokens=12)
+    sched = scheduler(policy, distance=distance, min_feedback_distance=least, max_num_batched_tokens=12)
     reqs = requests(lens)
     pipe, _ = drive(sched, reqs, outs, depth=distance + 1)
     assert {r.request_id: r.output_token_ids for r in reqs} == reference(lens, outs)
@@ -251,16 +252,21 @@ def test_decode_groups_set_the_feedback_distance():
         SchedulerConfig(min_feedback_distance=2)
 
 
-def plan_sizes(num_requests, *, least=None, distance=3, depth=4, iterations=40, balance=True):
+def plan_sizes(num_requests, *, least=None, distance=3, depth=4, iterations=40, balance=True, late=0):
     """Short prompts admitted together, then decodes with ``depth`` micro-batches in flight: each
     planned micro-batch's size, how often the engine found nothing to plan (the pipeline a
-    micro-batch short: it waits for a result), and how many decodes were fed."""
+    micro-batch short: it waits for a result), and how many decodes were fed. ``late`` more
+    requests arrive at the 20th plan."""
     sched = scheduler("sarathi", distance=distance, min_feedback_distance=least, num_blocks=256,
                       max_num_batched_tokens=64, balance_decodes=balance)
-    for r in requests([3] * num_requests):
+    reqs = requests([3] * (num_requests + late))
+    for r in reqs[:num_requests]:
         sched.add_request(r)
     pipe, inflight, sizes, empty = Pipeline(4), deque(), [], 0
-    for _ in range(iterations):
+    for i in range(iterations):
+        if i == 20:
+            for r in reqs[num_requests:]:
+                sched.add_request(r)
         out = sched.schedule()
         if out.is_empty:
             empty += 1
@@ -288,6 +294,18 @@ def test_decode_groups_shrink_to_what_the_requests_fill(num_requests, groups):
     if num_requests == 2:
         _, empty, _ = plan_sizes(2, least=None)
         assert empty > 5
+
+
+@pytest.mark.parametrize("num_requests, late", [(2, 1), (4, 1)])
+def test_growing_decode_groups_leave_no_plan_empty(num_requests, late):
+    """Two (four) requests decode in two groups; one more arrives and, its prompt done, makes
+    three groups' worth: every request then decoded within the last two steps, none three back.
+    The step after takes its share from two steps back instead of planning empty, and the
+    three groups form: any three consecutive steps decode every request once."""
+    sizes, empty, fed = plan_sizes(num_requests, least=2, late=late)
+    total = num_requests + late
+    assert empty == 1 and fed > 0
+    assert max(sizes[-6:]) == -(-total // 3) and sum(sizes[-3:]) == sum(sizes[-4:-1]) == total
 
 
 def test_balanced_decodes_keep_the_pipeline_full():
