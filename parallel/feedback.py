@@ -5,10 +5,10 @@ samples on the last stage. Without feedback that token travels last stage → en
 update → schedule → plan → first stage, and the stages wait for that round trip on every
 micro-batch. With feedback (``parallel.token_feedback``) the engine plans the decode as soon
 as the sampling micro-batch is ``pp`` steps back (up to ``parallel.decode_groups`` when set),
-before its result is in, and marks the input as *fed* (``SeqPlan.feed_step``); the last stage's driver
-sends each sampling micro-batch's token ids to every first-stage rank, and the first stage
-writes them into its input ids on the device. The engine's round trip then runs beside the
-pipeline instead of stalling it.
+before its result is in, and marks the input as *fed* (``SeqPlan.feed_step``); the last stage's
+driver sends each sampling micro-batch's token ids to every first-stage rank, and the first
+stage writes them into its input ids on the device. The engine's round trip then runs beside
+the pipeline instead of stalling it.
 
 Both ends know each message's length from the plans (every rank sees every plan), so only the
 ids travel: one message per micro-batch that samples, in step order, on a communicator of their

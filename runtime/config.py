@@ -36,8 +36,8 @@ class ParallelConfig:
     not wait for the engine's round trip (``parallel/feedback.py``). A request still decodes
     at most once per ``pp`` micro-batches (per ``decode_groups`` while enough requests decode to
     fill them). A request that stops (EOS, a stop string) may have one decode more computed
-    and dropped. Measured at pp=2 on 2 × H200 (BENCHMARKS.md): sarathi's
-    bubbles while loaded 17.6%/23.4% → 12.3%/14.7% per stage, orca's 56% → 30–40%."""
+    and dropped. Measured at pp=2 on 2 × H200 (BENCHMARKS.md): sarathi's bubbles while loaded
+    17.6%/23.4% → 12.3%/14.7% per stage, orca's 56% → 30–40%."""
     decode_groups: int | None = None
     """With token feedback: how many groups the running requests decode in, each request once
     every this many micro-batches; None = pp. With pp groups a request's next decode follows the
