@@ -161,8 +161,7 @@ class _Simulation:
 
     def __init__(self, config: SchedulerConfig, pipe: Pipeline, num_blocks: int, block_size: int) -> None:
         par = pipe.parallel
-        config = dataclasses.replace(config, feedback_distance=par.feedback_distance,
-                                     min_feedback_distance=par.pp if par.feedback else None)
+        config = dataclasses.replace(config, **par.scheduler_feedback)
         self.pipe, self.clock = pipe, 0.0
         self.scheduler = Scheduler(config, num_blocks=num_blocks, block_size=block_size,
                                    cost_model=pipe.cost_model if config.time_budget_s else None,

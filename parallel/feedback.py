@@ -100,18 +100,16 @@ class FeedbackSender:
     send completed only once waited for, so without a bound the queue would grow for the
     server's whole life; the first stage, ahead of this one in the pipeline, posts each receive
     pp − 1 plans after the plan that sampled it (or as soon as it waits), so with more than
-    distance + 1 kept (distance >= pp) the oldest is long matched and the wait returns at once
-    (on CUDA it only orders the stream)."""
+    pp + 1 kept the oldest is long matched and the wait returns at once (on CUDA it only orders
+    the stream)."""
 
-    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, distance: int = 2,
+    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2,
                  split: tuple[torch.Tensor, int] | None = None) -> None:
-        """``distance``: the steps from a sampling step to the decodes it feeds (pp, or
-        ``parallel.decode_groups``). ``split``: split sampling's (this stage's rows [V0, V) of
-        the LM head, V0)."""
+        """``split``: split sampling's (this stage's rows [V0, V) of the LM head, V0)."""
         self.group, self.dsts, self.split = group, dsts, split
         self.num_split = 0  # split steps sent
         # (a split step sends two messages: the bound counts steps, not messages)
-        self.max_pending = max(self._MAX_PENDING, distance + 2) * (2 if split is not None else 1)
+        self.max_pending = max(self._MAX_PENDING, pp + 2) * (2 if split is not None else 1)
         self._pending = _SendQueue(self.max_pending)
         self._cuda = False
 

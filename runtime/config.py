@@ -138,6 +138,13 @@ class ParallelConfig:
         return (self.decode_groups or self.pp) if self.feedback else None
 
     @property
+    def scheduler_feedback(self) -> dict[str, int | None]:
+        """``SchedulerConfig``'s token-feedback fields: ``feedback_distance`` (the decode groups)
+        and ``min_feedback_distance`` (pp, the fewest groups the scheduler falls back to)."""
+        return {"feedback_distance": self.feedback_distance,
+                "min_feedback_distance": self.pp if self.feedback else None}
+
+    @property
     def depth(self) -> int:
         return self.num_microbatches_in_flight or (self.feedback_distance + 1 if self.feedback else self.pp)
 

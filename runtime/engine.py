@@ -141,9 +141,7 @@ class LLMEngine:
             eos_token_ids=eos,
         )
         sched_config = dataclasses.replace(
-            config.scheduler, max_model_len=max_model_len,
-            feedback_distance=config.parallel.feedback_distance,
-            min_feedback_distance=config.parallel.pp if config.parallel.feedback else None,
+            config.scheduler, max_model_len=max_model_len, **config.parallel.scheduler_feedback,
         )
         try:
             self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size,

@@ -97,14 +97,13 @@ class Worker:
         self.feedback_sender: FeedbackSender | None = None
         self.feedback_receiver: FeedbackReceiver | None = None
         if (group := ctx.feedback_group) is not None:
-            # A decode is fed from `distance` steps back or more (pp, or parallel.decode_groups); each
-            # receive is posted pp - 1 plans after its plan whatever the groups (parallel/feedback.py).
-            distance = config.parallel.feedback_distance
+            # Each receive is posted pp - 1 plans after its plan, whatever parallel.decode_groups
+            # (parallel/feedback.py): a fed decode comes pp or more plans after.
             first = stage_ranks(0, ctx.tp_size)
             warm_up(group, src=ctx.driver_rank, dsts=first, rank=ctx.rank, device=device)
             if ctx.is_driver:
                 head = (self.model.lm_head.weight[head_rows:], head_rows) if split else None
-                self.feedback_sender = FeedbackSender(group, first, distance=distance, split=head)
+                self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size, split=head)
             else:
                 self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1,
                                                           split_weight=self.model.head_share_weight)

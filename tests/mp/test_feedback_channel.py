@@ -48,7 +48,7 @@ def _run(rank: int, init_file: str, out: dict, post_lag: int) -> None:
     device = torch.device("cpu")
     warm_up(group, src=1, dsts=[0], rank=rank, device=device)
     if rank == 1:  # the driver
-        sender, most = FeedbackSender(group, [0], distance=post_lag + 1), 0
+        sender, most = FeedbackSender(group, [0], pp=post_lag + 1), 0
         for step in range(NUM_STEPS):
             sender.send(sampled(step))
             most = max(most, len(sender._pending))
@@ -156,7 +156,7 @@ def _run_split(rank: int, init_file: str, out: dict) -> None:
     v0 = split_rows(VOCAB)
     num_steps = 60
     if rank == 1:  # the driver: its half of the head; the combined ids come back
-        sender, back, num_split = FeedbackSender(group, [0], distance=2, split=(weight[v0:], v0)), [], 0
+        sender, back, num_split = FeedbackSender(group, [0], pp=2, split=(weight[v0:], v0)), [], 0
         for step in range(num_steps):
             p = split_plan(step)
             if sender.splits(p):
