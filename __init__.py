@@ -6,7 +6,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Lazy so that `import pipeserve.scheduler` never pulls in torch.
     if name in ("LLM", "SamplingParams", "RequestOutput", "CompletionOutput"):
-        from pipeserve.runtime import llm
+        from pipeserve.runtime.engine import llm
 
         return getattr(llm, name)
     raise AttributeError(name)

@@ -37,13 +37,13 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeserve.launch.generate import engine_config
-from pipeserve.runtime import metrics as M
-from pipeserve.runtime import spmd
+from pipeserve.runtime.bench import metrics as M
+from pipeserve.runtime.engine import spmd
 from pipeserve.runtime.config import EngineConfig
-from pipeserve.runtime.engine import LLMEngine
-from pipeserve.runtime.prefix_workloads import ideal_cached_fraction
-from pipeserve.runtime.sampling_params import SamplingParams
-from pipeserve.runtime.workload import RequestSpec, WorkloadConfig, build_workload, fit_to_context, workload_summary
+from pipeserve.runtime.engine.llm_engine import LLMEngine
+from pipeserve.runtime.bench.prefix_workloads import ideal_cached_fraction
+from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.bench.workload import RequestSpec, WorkloadConfig, build_workload, fit_to_context, workload_summary
 from pipeserve.scheduler.prefix_cache import PrefixCacheStats
 from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
 
@@ -391,7 +391,7 @@ def search_capacity(bench: Bench, workload: WorkloadConfig, cap: CapacityOptions
         raise ValueError("capacity search needs arrivals at a rate (poisson, gamma or trace), not offline")
     start = cap.start_rate or workload.rate
     if start is None:
-        from pipeserve.runtime.workload import natural_rate
+        from pipeserve.runtime.bench.workload import natural_rate
 
         start = natural_rate(workload)
     details = []
@@ -459,7 +459,7 @@ def run_bench(cfg: DictConfig, out_dir: str, *, loaded=None) -> dict:
 
 def _with_dummy_model(config: EngineConfig, spec: DictConfig, out_dir: str) -> EngineConfig:
     """A config-only Llama-3-8B- or 70B-shaped folder (random weights at load): GPU benchmarks."""
-    from pipeserve.launch.bench_peers import SHAPES, parse_args, write_model_folder
+    from tools.bench_peers import SHAPES, parse_args, write_model_folder
 
     if spec.shape not in SHAPES:
         raise ValueError(f"dummy_model.shape must be one of {sorted(SHAPES)} (or null), got {spec.shape!r}")

@@ -6,8 +6,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
-from pipeserve.runtime.llm import LLM
-from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.runtime.engine.llm import LLM
+from pipeserve.scheduler.sampling_params import SamplingParams
 from pipeserve.scheduler import SchedulerConfig
 
 

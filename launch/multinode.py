@@ -6,7 +6,7 @@
 Every rank composes the same config. Global rank 0 starts the bench harness (or the HTTP
 frontend) in a child process: the same code as a run without torchrun, except that its engine
 takes the torchrun ranks as its workers instead of starting a torchrun of its own
-(runtime/spmd.py). Every rank, rank 0 included, serves as a worker until that engine shuts
+(runtime/engine/spmd.py). Every rank, rank 0 included, serves as a worker until that engine shuts
 down; rank 0 then exits with the child's code. The engine stays out of stage 0's process, as
 everywhere, so scheduling never competes with its kernel launches for the GIL.
 
@@ -25,7 +25,7 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from pipeserve.runtime import spmd
+from pipeserve.runtime.engine import spmd
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict, engine_config_to_dict
 
 
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {payload['out_dir']}/" + ", ".join(result["files"].values()), flush=True)
         return 0
     if kind == "serve":
-        from pipeserve.runtime.api_server import ServerConfig, run
+        from pipeserve.runtime.serving.api_server import ServerConfig, run
 
         return run(engine_config_from_dict(payload["engine"]), ServerConfig(**payload["server"]))
     raise SystemExit(f"usage: python -m pipeserve.launch.multinode bench|serve (not {kind!r})")

@@ -30,10 +30,10 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from pipeserve.runtime.batch import StepInputs
-from pipeserve.runtime.kv_cache import allocate_kv_cache
-from pipeserve.runtime.loader import load_model, set_kernels
-from pipeserve.runtime.model_runner import ModelRunner
+from pipeserve.runtime.worker.batch import StepInputs
+from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
+from pipeserve.runtime.model.loader import load_model, set_kernels
+from pipeserve.runtime.worker.model_runner import ModelRunner
 from pipeserve.scheduler import CostModel, Work
 
 

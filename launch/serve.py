@@ -16,8 +16,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from pipeserve.launch.generate import engine_config
-from pipeserve.runtime import spmd
-from pipeserve.runtime.api_server import ServerConfig, run
+from pipeserve.runtime.engine import spmd
+from pipeserve.runtime.serving.api_server import ServerConfig, run
 
 _FLAGS = {"--api-key": "server.api_key", "--host": "server.host", "--port": "server.port"}
 

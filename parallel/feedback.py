@@ -19,7 +19,7 @@ the receive is ordered before the embedding on the stream.
 When a receive is posted matters on CUDA. An NCCL receive is a kernel that holds SMs until its
 data arrive, and it starts once the compute stream's work queued before the call is done.
 Posted right after plan j (the ids of j arrive only after the last stage has computed j), it
-spins beside the first stage's whole compute of j + 1: ``launch/p2p_interference.py`` measured
+spins beside the first stage's whole compute of j + 1: ``tools/p2p_interference.py`` measured
 16 layers of Llama-3-8B's products at 512 tokens 48% slower beside such a receive (13.5% with
 the group capped at one CTA; H200). So the receive of plan j's ids is posted after plan
 j + pp − 1 is queued, when j's ids are due (the last plan before one could be fed from j with
@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from pipeserve.parallel.split_head import SplitStep, partial_max, splits
 from pipeserve.parallel.wire import StepPlan
-from pipeserve.runtime.batch import host_to_device
+from pipeserve.runtime.worker.batch import host_to_device
 
 
 def warm_up(group: dist.ProcessGroup, *, src: int, dsts: list[int], rank: int, device: torch.device) -> None:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeserve.parallel.wire import StepPlan
-from pipeserve.runtime.sampling_params import _SAMPLING_EPS  # SamplingParams.is_greedy's
+from pipeserve.scheduler.sampling_params import _SAMPLING_EPS  # SamplingParams.is_greedy's
 
 
 def split_rows(vocab_size: int) -> int:

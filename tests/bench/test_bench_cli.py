@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from pipeserve.runtime.worker import PROFILE_ENV
+from pipeserve.runtime.worker.worker import PROFILE_ENV
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -117,11 +117,11 @@ def test_pp2_trace_has_an_engine_lane_and_one_lane_per_stage(pp2_run):
 
 def test_pipeline_gaps_account_for_every_stage_second(pp2_run):
     out, _, r = pp2_run
-    proc = subprocess.run([sys.executable, "-m", "pipeserve.launch.pipeline_gaps", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "tools.pipeline_gaps", str(out)],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "| stage 0 |" in proc.stdout and "| stage 1 |" in proc.stdout
-    from pipeserve.launch import pipeline_gaps
+    from tools import pipeline_gaps
 
     rows = pipeline_gaps.analyze(json.loads((out / "trace.json").read_text()), pp=2, feedback=True)
     by_stage = {s["stage"]: s for s in r["stages"]}

@@ -9,10 +9,10 @@ import pytest
 
 from pipeserve.launch import bench as B
 from pipeserve.launch.profile import run_profile
-from pipeserve.runtime import metrics as M
+from pipeserve.runtime.bench import metrics as M
 from pipeserve.runtime.config import EngineConfig
-from pipeserve.runtime.loader import load_model
-from pipeserve.runtime.workload import RequestSpec
+from pipeserve.runtime.model.loader import load_model
+from pipeserve.runtime.bench.workload import RequestSpec
 from pipeserve.scheduler import CostModel, SchedulerConfig, Work
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from pipeserve.runtime import metrics as M
-from pipeserve.runtime.engine import StepRecord
+from pipeserve.runtime.bench import metrics as M
+from pipeserve.runtime.engine.llm_engine import StepRecord
 from pipeserve.scheduler import CostModel, SchedulerConfig, Work
 
 

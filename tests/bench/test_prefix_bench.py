@@ -13,9 +13,9 @@ import torch
 
 from pipeserve.launch import bench as B
 from pipeserve.runtime.config import EngineConfig
-from pipeserve.runtime.loader import load_model
-from pipeserve.runtime.prefix_workloads import MOONCAKE_NUM_ROWS, MOONCAKE_TRACE, ideal_cached_fraction
-from pipeserve.runtime.workload import WorkloadConfig, build_workload
+from pipeserve.runtime.model.loader import load_model
+from pipeserve.runtime.bench.prefix_workloads import MOONCAKE_NUM_ROWS, MOONCAKE_TRACE, ideal_cached_fraction
+from pipeserve.runtime.bench.workload import WorkloadConfig, build_workload
 from pipeserve.scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,7 +58,7 @@ def test_prefix_workloads_are_token_ids_within_the_vocabulary():
 
 
 def test_bench_peers_builds_the_prefix_workloads():
-    from pipeserve.launch.bench_peers import make_prompts, parse_args
+    from tools.bench_peers import make_prompts, parse_args
 
     uniform = make_prompts(parse_args(["--num-requests", "4"]))
     assert len(uniform) == 4 and all(128 <= len(p) <= 2048 for p in uniform)

@@ -11,8 +11,8 @@ import statistics
 
 import pytest
 
-from pipeserve.runtime import workload as W
-from pipeserve.runtime.workload import WorkloadConfig, build_workload
+from pipeserve.runtime.bench import workload as W
+from pipeserve.runtime.bench.workload import WorkloadConfig, build_workload
 
 # Row counts from ../shared/traces/SOURCES.md (counted independently of the loader).
 ROWS = {"arxiv": 28_257, "sharegpt": 30_731, "azure_code": 8_819, "azure_conv": 19_366}

@@ -32,7 +32,7 @@ BLOCK_SIZE = 16
 
 @pytest.fixture(scope="module")
 def loaded():
-    from pipeserve.runtime.loader import load_model
+    from pipeserve.runtime.model.loader import load_model
 
     return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
 

@@ -31,7 +31,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 @pytest.fixture(scope="module")
 def loaded():
-    from pipeserve.runtime.loader import load_model
+    from pipeserve.runtime.model.loader import load_model
 
     return load_model(None, dtype=torch.float32, device=torch.device("cpu"))
 

@@ -18,9 +18,9 @@ import torch
 from helpers_kernels import runs_triton
 from helpers_model import write_tiny_checkpoint, write_word_level_tokenizer
 from pipeserve.kernels import kernel_ops
-from pipeserve.runtime.batch import StepInputs, to_tensors
+from pipeserve.runtime.worker.batch import StepInputs, to_tensors
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
-from pipeserve.runtime.cuda_graphs import (
+from pipeserve.runtime.worker.cuda_graphs import (
     CudaGraphRunner,
     MixedShape,
     batch_size_buckets,
@@ -32,8 +32,8 @@ from pipeserve.runtime.cuda_graphs import (
     plan_mixed_step,
     token_buckets,
 )
-from pipeserve.runtime.kv_cache import allocate_kv_cache
-from pipeserve.runtime.model_runner import ModelRunner
+from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
+from pipeserve.runtime.worker.model_runner import ModelRunner
 from pipeserve.scheduler import SchedulerConfig
 
 BLOCK = 16
@@ -345,7 +345,7 @@ def compare_mixed(twins: TwinRunners, steps: list[tuple[int, int]], *, atol: flo
 
 
 def tiny_model(tmp_path, device, dtype):
-    from pipeserve.runtime.weights import load_hf_model
+    from pipeserve.runtime.model.weights import load_hf_model
 
     folder = write_tiny_checkpoint(tmp_path, "llama")
     model, _ = load_hf_model(folder, dtype=dtype, device=device)

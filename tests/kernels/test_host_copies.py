@@ -1,5 +1,5 @@
 """A worker's host prepares micro-batch j + 1 while the device still runs j: the host-to-device
-copies of a step's inputs (``runtime/batch.py``: ``to_tensors``, ``host_to_device``; the CUDA
+copies of a step's inputs (``runtime/worker/batch.py``: ``to_tensors``, ``host_to_device``; the CUDA
 graph runner and the token-feedback patch use the same helpers) must not wait for the stream's
 earlier work. On CUDA: with the stream busy for a long while, preparing a step returns at
 once and its tensors hold the right values; on CPU: the helper's dtypes and values."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeserve.runtime.batch import StepInputs, host_to_device, to_tensors
+from pipeserve.runtime.worker.batch import StepInputs, host_to_device, to_tensors
 
 
 def _step() -> StepInputs:

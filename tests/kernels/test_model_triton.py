@@ -23,10 +23,10 @@ pytest.importorskip("triton")
 from helpers_kernels import gpu, runs_triton  # noqa: E402
 
 from pipeserve.kernels import kernel_ops, torch_ops, triton_ops  # noqa: E402
-from pipeserve.runtime.batch import StepInputs, to_tensors  # noqa: E402
-from pipeserve.runtime.kv_cache import allocate_kv_cache  # noqa: E402
-from pipeserve.runtime.model import LlamaForCausalLM  # noqa: E402
-from pipeserve.runtime.model_config import ModelConfig  # noqa: E402
+from pipeserve.runtime.worker.batch import StepInputs, to_tensors  # noqa: E402
+from pipeserve.runtime.worker.kv_cache import allocate_kv_cache  # noqa: E402
+from pipeserve.runtime.model.llama import LlamaForCausalLM  # noqa: E402
+from pipeserve.runtime.model.model_config import ModelConfig  # noqa: E402
 
 pytestmark = runs_triton
 

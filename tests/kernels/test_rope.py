@@ -21,8 +21,8 @@ from helpers_kernels import DEVICE, gpu, runs_triton  # noqa: E402
 
 from pipeserve.kernels.rope import rope  # noqa: E402
 from pipeserve.kernels.reference import rope_reference, rotate_half  # noqa: E402
-from pipeserve.runtime.model import RotaryEmbedding  # noqa: E402
-from pipeserve.runtime.model_config import ModelConfig  # noqa: E402
+from pipeserve.runtime.model.llama import RotaryEmbedding  # noqa: E402
+from pipeserve.runtime.model.model_config import ModelConfig  # noqa: E402
 
 pytestmark = runs_triton
 

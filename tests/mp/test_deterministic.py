@@ -4,7 +4,7 @@ in the interpreter (float16: the default path's layouts differ in the last bits 
 
 The pure pieces (the reduction tree, the segments each TP rank holds, what is refused) are
 tested first; then whole runs compare token ids and top-k log-probabilities exactly. On GPUs
-(bf16, NCCL) the same check is ``python -m pipeserve.launch.agreement --deterministic``.
+(bf16, NCCL) the same check is ``python -m tools.agreement --deterministic``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 pytestmark = [
     pytest.mark.skipif(
         os.environ.get("TRITON_INTERPRET") != "1",
-        reason="CPU runs of the Triton kernels need the interpreter (GPUs: launch/agreement.py)",
+        reason="CPU runs of the Triton kernels need the interpreter (GPUs: tools/agreement.py)",
     ),
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
     pytest.mark.timeout(600),

@@ -27,10 +27,10 @@ from helpers_model import hf_logits, load_hf_reference, make_metadata, write_tin
 from pipeserve.parallel.context import ParallelContext, build_parallel_context
 from pipeserve.parallel.stage_plan import plan_stages
 from pipeserve.parallel.tp_layers import shard_heads, split_sizes
-from pipeserve.runtime import weights as weights_module
-from pipeserve.runtime.kv_cache import allocate_kv_cache
-from pipeserve.runtime.model_config import ModelConfig
-from pipeserve.runtime.weights import load_hf_model
+from pipeserve.runtime.model import weights as weights_module
+from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
+from pipeserve.runtime.model.model_config import ModelConfig
+from pipeserve.runtime.model.weights import load_hf_model
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -202,7 +202,7 @@ def _load_counting_reads(
 
 
 def _load_smollm2(parallel: ParallelContext | None):
-    from pipeserve.runtime.loader import load_model
+    from pipeserve.runtime.model.loader import load_model
 
     return load_model(
         None, dtype=torch.float32, device=torch.device("cpu"), parallel=parallel

@@ -7,12 +7,12 @@ import pytest
 
 from pipeserve.launch.serve import _flags_to_overrides
 from pipeserve.parallel.wire import EngineStats
-from pipeserve.runtime.api_server import ServerConfig
-from pipeserve.runtime.engine_server import _Stream
-from pipeserve.runtime.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
-from pipeserve.runtime.outputs import CompletionOutput, RequestOutput
-from pipeserve.runtime.sampling_params import SamplingParams
-from pipeserve.runtime.server_metrics import ServerMetrics
+from pipeserve.runtime.serving.api_server import ServerConfig
+from pipeserve.runtime.serving.engine_server import _Stream
+from pipeserve.runtime.serving.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from pipeserve.runtime.engine.outputs import CompletionOutput, RequestOutput
+from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.serving.server_metrics import ServerMetrics
 
 
 def out(text: str, num_tokens: int, finish: str | None = None) -> RequestOutput:

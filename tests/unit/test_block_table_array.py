@@ -4,7 +4,7 @@ import random
 
 import numpy as np
 
-from pipeserve.runtime.batch import BlockTableArray
+from pipeserve.runtime.worker.batch import BlockTableArray
 
 
 def padded(tables: list[list[int]]) -> np.ndarray:

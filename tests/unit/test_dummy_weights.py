@@ -8,7 +8,7 @@ import torch
 from helpers_model import write_tiny_model
 
 from pipeserve.parallel.context import ParallelContext
-from pipeserve.runtime.loader import hf_weight_shapes, load_model
+from pipeserve.runtime.model.loader import hf_weight_shapes, load_model
 
 CPU = torch.device("cpu")
 

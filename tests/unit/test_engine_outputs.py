@@ -1,7 +1,7 @@
-"""LLMEngine outputs per RequestOutputKind, over the instant executor of launch/step_overhead.py."""
+"""LLMEngine outputs per RequestOutputKind, over the instant executor of tools/step_overhead.py."""
 
-from pipeserve.launch.step_overhead import make_engine
-from pipeserve.runtime.outputs import RequestOutputKind
+from tools.step_overhead import make_engine
+from pipeserve.runtime.engine.outputs import RequestOutputKind
 
 
 def run_to_completion(engine) -> list[list]:

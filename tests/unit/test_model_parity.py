@@ -28,10 +28,10 @@ from helpers_model import (  # noqa: E402
     write_tiny_checkpoint,
 )
 
-from pipeserve.runtime.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block  # noqa: E402
-from pipeserve.runtime.model import LlamaForCausalLM, rope_inv_freq  # noqa: E402
-from pipeserve.runtime.model_config import ModelConfig  # noqa: E402
-from pipeserve.runtime.weights import iter_safetensors, load_hf_model  # noqa: E402
+from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block  # noqa: E402
+from pipeserve.runtime.model.llama import LlamaForCausalLM, rope_inv_freq  # noqa: E402
+from pipeserve.runtime.model.model_config import ModelConfig  # noqa: E402
+from pipeserve.runtime.model.weights import iter_safetensors, load_hf_model  # noqa: E402
 
 ATOL = 1e-4
 PROMPT_LEN = 70

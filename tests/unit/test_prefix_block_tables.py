@@ -10,8 +10,8 @@ from collections import deque
 import pytest
 
 from pipeserve.parallel.wire import BlockTableMirror, decode, encode
-from pipeserve.runtime.executor import DistributedExecutor, SampleRequest
-from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.runtime.engine.executor import DistributedExecutor, SampleRequest
+from pipeserve.scheduler.sampling_params import SamplingParams
 from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
 
 GREEDY = SampleRequest(SamplingParams(temperature=0), None, 0)

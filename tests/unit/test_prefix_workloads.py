@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeserve.runtime.prefix_workloads import (
+from pipeserve.runtime.bench.prefix_workloads import (
     ideal_cached_fraction,
     mooncake_requests,
     shared_prefix_requests,

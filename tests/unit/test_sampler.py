@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeserve.runtime.sampler import Sampler, SamplerOutput, _filtered_probs, make_generator
-from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.runtime.worker.sampler import Sampler, SamplerOutput, _filtered_probs, make_generator
+from pipeserve.scheduler.sampling_params import SamplingParams
 
 DEVICES = [
     "cpu",

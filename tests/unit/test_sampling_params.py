@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from pipeserve.runtime.sampling_params import SamplingParams
+from pipeserve.scheduler.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

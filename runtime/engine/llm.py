@@ -1,0 +1,256 @@
+"""The offline API, with vLLM's names: `LLM(...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeserve.runtime.config import EngineConfig, ParallelConfig
+from pipeserve.runtime.engine.llm_engine import LLMEngine
+from pipeserve.runtime.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
+from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.scheduler import SchedulerConfig
+from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+
+Prompt = str | list[int]
+Conversation = list[dict[str, str]]
+
+
+class LLM:
+    """An engine in this process. `LLM()` serves the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "auto",
+        load_format: str = "auto",
+        device: str = "auto",
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 128,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        num_kv_blocks: int | None = None,
+        kv_cache_memory_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.90,
+        scheduler_policy: str = "sarathi",
+        seed: int = 0,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        num_microbatches_in_flight: int | None = None,
+        token_feedback: bool = True,
+        decode_groups: int | None = None,
+        enable_prefix_caching: bool = False,
+        prefix_grouping: bool = False,
+        kernel_backend: str = "auto",
+        deterministic: bool = False,
+        reduction_splits: int = 0,
+    ) -> None:
+        """With tensor_parallel_size × pipeline_parallel_size > 1 the engine stays in this
+        process and starts that many workers under torchrun; `close()` stops them.
+        `prefix_grouping` (BatchLLM-style offline batches) turns prefix caching on too."""
+        scheduler = SchedulerConfig(
+            policy=scheduler_policy,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            enable_prefix_caching=enable_prefix_caching or prefix_grouping,
+            prefix_grouping=prefix_grouping,
+        )
+        self.engine = _make_engine(
+            EngineConfig(
+                model=model,
+                dtype=dtype,
+                load_format=load_format,
+                device=device,
+                block_size=block_size,
+                num_kv_blocks=num_kv_blocks,
+                kv_cache_memory_gb=kv_cache_memory_gb,
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                seed=seed,
+                kernel_backend=kernel_backend,
+                deterministic=deterministic,
+                reduction_splits=reduction_splits,
+                scheduler=scheduler,
+                parallel=ParallelConfig(
+                    tp=tensor_parallel_size,
+                    pp=pipeline_parallel_size,
+                    num_microbatches_in_flight=num_microbatches_in_flight,
+                    token_feedback=token_feedback,
+                    decode_groups=decode_groups,
+                ),
+            )
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, loaded=None) -> LLM:
+        """An LLM from a full EngineConfig; `loaded` reuses a model already in memory."""
+        llm = cls.__new__(cls)
+        llm.engine = _make_engine(config, loaded)
+        return llm
+
+    @property
+    def is_driver(self) -> bool:
+        """False on the torchrun ranks other than 0 in SPMD mode: they only serve as workers
+        (their `LLM(...)` returns once the engine has shut down) and `generate` returns []."""
+        return self.engine is not None
+
+    def close(self) -> None:
+        """Stops the workers, if any (also done at interpreter exit)."""
+        if self.engine is not None:
+            self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def get_tokenizer(self):
+        return None if self.engine is None else self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        prefix_grouping: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. Every prompt is checked before any is queued.
+
+        ``prefix_grouping`` (None: the scheduler config's ``prefix_grouping``) queues the batch
+        BatchLLM-style: prompts sharing a prefix together, groups with more decode work first
+        (``scheduler.prefix_tree``), so each shared prefix is computed once by the prefix
+        cache and evicted once its group is done. Outputs still come in the given order.
+        """
+        if self.engine is None:
+            return []
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        checked = [self.engine.validate(p, sp) for p, sp in zip(prompts, params)]
+        order = range(len(prompts))
+        if self._grouping(prefix_grouping):
+            order = _prefix_order(checked, params, block_size=self.engine.config.block_size)
+        ids: list[list[str]] = [[] for _ in prompts]
+        for i in order:
+            ids[i] = self._add(prompts[i], params[i])
+        finished = self._run_to_completion(sum(len(g) for g in ids), use_tqdm)
+        return [_merge([finished[rid] for rid in g]) for g in ids]
+
+    def _grouping(self, requested: bool | None) -> bool:
+        sched = self.engine.config.scheduler
+        if requested is None:
+            return sched.prefix_grouping
+        if requested and not sched.enable_prefix_caching:
+            raise ValueError("prefix_grouping needs enable_prefix_caching=True")
+        return requested
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template (Jinja) to each conversation, then generates."""
+        if self.engine is None:
+            return []
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [
+            tok.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tokenize=True)
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> list[str]:
+        """Queues `params.n` sequences (seeds offset per sequence so they differ)."""
+        ids = []
+        for i in range(params.n):
+            sp = params
+            if params.n > 1 and params.seed is not None:
+                sp = params.clone(seed=params.seed + i)
+            rid = self.engine.new_request_id()
+            # Only finished outputs are read: the engine need not build one per token.
+            self.engine.add_request(rid, prompt, sp, output_kind=RequestOutputKind.FINAL_ONLY)
+            ids.append(rid)
+        return ids
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(total) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return finished
+
+
+def _make_engine(config: EngineConfig, loaded=None):
+    """In-process engine; or, under torchrun with tp × pp > 1, this rank's part of an SPMD run
+    (an engine client on rank 0, None elsewhere)."""
+    from pipeserve.runtime.engine import spmd
+
+    if config.parallel.world_size > 1 and spmd.under_torchrun():
+        return spmd.start(config)
+    return LLMEngine(config, loaded=loaded)
+
+
+def _prefix_order(checked, params: list[SamplingParams], *, block_size: int) -> list[int]:
+    """Prompt indices in BatchLLM order; ``checked`` holds validate()'s (text, ids, max_tokens)."""
+    prompt_ids = [ids for _, ids, _ in checked]
+    decode_tokens = [max_tokens * sp.n for (_, _, max_tokens), sp in zip(checked, params)]
+    return schedule_order(group_by_prefix(prompt_ids, decode_tokens, block_size=block_size))
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    """The n sequences of one prompt become one RequestOutput with n completions."""
+    first = outputs[0]
+    completions = []
+    for i, o in enumerate(outputs):
+        c = o.outputs[0]
+        c.index = i
+        completions.append(c)
+    return RequestOutput(
+        request_id=first.request_id,
+        prompt=first.prompt,
+        prompt_token_ids=first.prompt_token_ids,
+        outputs=completions,
+        finished=True,
+        metrics=first.metrics,
+    )
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("no prompts given")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req")

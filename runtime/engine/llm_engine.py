@@ -1,0 +1,425 @@
+"""The engine loop, one process: schedule → run → update → postprocess.
+
+The scheduler owns token accounting and KV blocks; the model runner owns tensors; this file
+owns what a request is to the user: its sampling state, its text, its stop conditions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeserve.parallel.stage_plan import plan_model_stages
+from pipeserve.parallel.tp_layers import check_reduction_layout
+from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
+from pipeserve.runtime.worker.cuda_graphs import capture_cuda_graphs
+from pipeserve.runtime.engine.executor import (
+    DistributedExecutor,
+    LocalExecutor,
+    SampleRequest,
+    WorkerFailure,
+    launch_spmd_ranks,
+    launch_torchrun,
+)
+from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
+from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
+from pipeserve.runtime.worker.model_runner import ModelRunner
+from pipeserve.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
+from pipeserve.runtime.worker.sampler import make_generator
+from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.engine.stop import check_stop
+from pipeserve.runtime.model.tokenizer import IncrementalDetokenizer
+from pipeserve.scheduler import CostModel, Request, RequestStatus, Scheduler, SchedulerOutput
+
+_FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """What the engine keeps per request beside the scheduler's token accounting."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    metrics: RequestMetrics
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    text: str = ""
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One submitted micro-batch: (request id, first position, tokens, samples?) per sequence,
+    the step ids in flight at submission (this one included), the cost model's predicted
+    seconds (0.0 without a cost model), and the steps whose sampled ids its fed decodes take
+    (token feedback; empty without)."""
+
+    step_id: int
+    submitted_at: float
+    seqs: tuple[tuple[str, int, int, bool], ...]
+    in_flight: tuple[int, ...]
+    predicted_time: float = 0.0
+    fed_from: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, plan: SchedulerOutput, in_flight) -> StepRecord:
+        seqs = tuple(
+            (s.request_id, s.num_computed_tokens, s.num_scheduled_tokens, s.needs_sample) for s in plan.scheduled
+        )
+        fed_from = tuple(sorted({s.feed_step for s in plan.scheduled if s.feed_step >= 0}))
+        return cls(plan.step_id, time.monotonic(), seqs, tuple(p.step_id for p in in_flight), plan.predicted_time,
+                   fed_from)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """Values found at start-up (not user configuration)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    num_kv_blocks: int
+    eos_token_ids: tuple[int, ...]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None, launch=None) -> None:
+        """`loaded` reuses a model already in memory (sweeps and tests build several engines);
+        `launch(plan_endpoint, result_endpoint)` starts tp×pp workers (default: a torchrun)."""
+        self.config = config
+        device = config.torch_device()
+        dtype = config.torch_dtype(device)
+        torch.manual_seed(config.seed)
+        if config.parallel.world_size == 1:
+            if loaded is None:
+                loaded = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format)
+            set_kernels(loaded.model, config, device)
+            model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        else:
+            model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
+        self.model_config = model_config
+        par = config.parallel
+        # Every stage's layers, as each worker will plan them: a bad override fails here, before
+        # any worker starts.
+        self.stage_layers = plan_model_stages(model_config, par.pp, override=par.stage_layers,
+                                              half_layers=par.half_layer_stages)
+        if config.deterministic:  # before any worker starts
+            check_reduction_layout(
+                num_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
+                head_dim=model_config.head_dim, intermediate_size=model_config.intermediate_size,
+                splits=config.effective_reduction_splits, tp_size=config.parallel.tp,
+            )
+        eos = tuple(model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
+        max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
+        if config.parallel.world_size == 1:
+            num_blocks = config.num_kv_blocks or _num_kv_blocks(config, model_config, dtype, device)
+            runner = _local_runner(loaded, config, num_blocks, dtype, device, max_model_len)
+            self.executor = LocalExecutor(runner, eos)
+        else:
+            self.executor = _distributed_executor(config, launch)
+            num_blocks = self.executor.num_kv_blocks
+        self.state = EngineState(
+            device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
+            eos_token_ids=eos,
+        )
+        sched_config = dataclasses.replace(
+            config.scheduler, max_model_len=max_model_len, **config.parallel.scheduler_feedback,
+        )
+        try:
+            self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size,
+                                       cost_model=_cost_model(sched_config, device))
+        except ValueError:
+            self.executor.close()
+            raise
+        self._requests: dict[str, _RequestState] = {}
+        self._unscheduled: set[str] = set()  # requests without first_scheduled_time yet
+        self._in_flight: deque[SchedulerOutput] = deque()
+        self._ids = itertools.count()
+        self.step_records: list[StepRecord] | None = [] if config.record_steps else None
+        # With record_steps: step id -> time.monotonic() when its result was back.
+        self.step_done_times: dict[int, float] | None = {} if config.record_steps else None
+
+    def close(self) -> None:
+        """Stops the workers (if any). The engine is unusable afterwards."""
+        self.executor.close()
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
+        """Checks one request without changing anything; returns (text, token ids, max_tokens)."""
+        return validate_request(
+            prompt, params, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
+            max_model_len=self.state.max_model_len,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+    ) -> None:
+        """Adds one sequence (n is expanded by the caller). ValueError leaves the engine untouched.
+        ``output_kind``: whether step() returns its output after every token or only at the end."""
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids, max_tokens = self.validate(prompt, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.scheduler.add_request(
+            Request(request_id, ids, arrival_time=arrival, sampling_params=params, max_output_tokens=max_tokens)
+        )
+        self._requests[request_id] = _RequestState(
+            prompt=text,
+            prompt_token_ids=ids,
+            params=params,
+            max_tokens=max_tokens,
+            generator=make_generator(params.seed, self.state.device),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
+            metrics=RequestMetrics(arrival_time=arrival),
+            output_kind=output_kind,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self._unscheduled.add(request_id)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Frees the request's KV blocks; its next output reports finish_reason "abort"."""
+        state = self._requests.get(request_id)
+        if state is None or state.finish_reason is not None:
+            return False
+        self.scheduler.abort_request(request_id)
+        self.executor.free(request_id)
+        state.finish_reason = "abort"
+        state.metrics.finished_time = time.monotonic()
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Keeps up to `max_in_flight` micro-batches in the pipeline, then completes the oldest;
+        returns the outputs of the requests that gained a token (FINAL_ONLY ones: that finished)."""
+        self._fill_pipeline()
+        if not self._in_flight:
+            if self.scheduler.has_unfinished_requests():
+                raise RuntimeError("scheduler made no progress with requests pending (KV pool too small?)")
+            return []
+        plan = self._in_flight.popleft()
+        try:
+            sampled = self.executor.result(plan)
+        except WorkerFailure as e:
+            self._fail_all(str(e))
+            raise
+        if self.step_done_times is not None:
+            self.step_done_times[plan.step_id] = time.monotonic()
+        updated = self.scheduler.update(plan, sampled.token_ids)
+        now = time.monotonic()  # every token of this step arrived at once
+        outputs = (self._postprocess(req, sampled.logprobs.get(req.request_id), now) for req in updated)
+        return [out for out in outputs if out is not None]
+
+    def _fill_pipeline(self) -> None:
+        while len(self._in_flight) < self.executor.max_in_flight:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                return
+            self._mark_scheduled(plan)
+            requests = self._requests
+            samples = {s.request_id: _sample_request(requests[s.request_id], s) for s in plan.scheduled if s.needs_sample}
+            self.executor.submit(plan, samples)
+            self._in_flight.append(plan)
+            if self.step_records is not None:
+                self.step_records.append(StepRecord.of(plan, self._in_flight))
+
+    def _fail_all(self, message: str) -> None:
+        """A worker failure: every unfinished request ends with finish_reason "error"."""
+        for rid, st in self._requests.items():
+            if st.finish_reason is None:
+                self.scheduler.finish_request(rid, RequestStatus.FINISHED_ERROR)
+                st.finish_reason, st.error = "error", message
+        self._in_flight.clear()
+
+    def _mark_scheduled(self, plan: SchedulerOutput) -> None:
+        if not self._unscheduled:  # the usual decode step: every request was scheduled before
+            return
+        now = time.monotonic()
+        for s in plan.scheduled:
+            if s.request_id in self._unscheduled:
+                self._unscheduled.remove(s.request_id)
+                self._requests[s.request_id].metrics.first_scheduled_time = now
+
+    def _postprocess(self, req: Request, logprobs: dict[int, float] | None, now: float) -> RequestOutput | None:
+        """Takes the request's new token; its output, or None while a FINAL_ONLY one runs."""
+        state = self._requests[req.request_id]
+        token = req.output_token_ids[-1]
+        metrics = state.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.token_times.append(now)
+        state.output_token_ids.append(token)
+        if state.logprobs is not None and logprobs is not None:
+            state.logprobs.append(logprobs)
+        delta = state.detokenizer.step(token)
+        reason, stop_reason, text = check_stop(
+            output_token_ids=state.output_token_ids,
+            output_text=state.detokenizer.text,
+            new_text_len=len(delta),
+            params=state.params,
+            eos_token_ids=self.state.eos_token_ids,
+            max_tokens=state.max_tokens,
+        )
+        state.text = text
+        if reason is not None:
+            state.finish_reason, state.stop_reason = reason, stop_reason
+            metrics.finished_time = now
+            self.scheduler.finish_request(req.request_id, _FINISH_STATUS[reason])
+            self.executor.free(req.request_id)
+        elif state.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        return self._output(req.request_id, state)
+
+    def _output(self, request_id: str, st: _RequestState) -> RequestOutput:
+        finished = st.finish_reason is not None
+        token_ids, logprobs = st.output_token_ids, st.logprobs
+        if finished:  # the state is dropped: its lists go out as they are
+            del self._requests[request_id]
+            self._unscheduled.discard(request_id)
+        else:  # copies, so that an output handed out earlier never changes
+            token_ids = token_ids.copy()
+            logprobs = None if logprobs is None else logprobs.copy()
+        # Positional, in field order: keyword arguments would double the cost of these two
+        # objects, built for every request on every step.
+        completion = CompletionOutput(0, st.text, token_ids, st.finish_reason, logprobs, st.stop_reason)
+        return RequestOutput(
+            request_id, st.prompt, st.prompt_token_ids, [completion], finished, st.metrics, st.error
+        )
+
+    def take_aborted(self, request_id: str) -> RequestOutput:
+        """The final output of an aborted request (and forgets it)."""
+        return self._output(request_id, self._requests[request_id])
+
+
+def _sample_request(st: _RequestState, s) -> SampleRequest:
+    # The token sampled after position context_len - 1 is output number context_len - prompt
+    # (with token feedback the earlier outputs may still be in flight).
+    return SampleRequest(st.params, st.generator, s.context_len - s.request.num_prompt_tokens)
+
+
+def validate_request(
+    prompt: str | list[int], params: SamplingParams, *, tokenizer, vocab_size: int, max_model_len: int
+) -> tuple[str | None, list[int], int]:
+    """ValueError with a clear message for a request the engine cannot serve; otherwise
+    (prompt text or None, prompt token ids, resolved max_tokens)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        text, ids = prompt, tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        text, ids = None, list(prompt)
+    else:
+        raise ValueError("a prompt must be a string or a list of token ids")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    if any(t < 0 or t >= vocab_size for t in ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if len(ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, which leaves no room to generate"
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - len(ids)
+    if len(ids) + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({max_model_len})"
+        )
+    return text, ids, max_tokens
+
+
+def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
+    if requested is None:
+        return model_limit
+    if requested > model_limit:
+        raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_limit}")
+    return requested
+
+
+def _cost_model(config, device: torch.device) -> CostModel | None:
+    """The profile's cost model; the analytic (CPU-scale) default when only a time budget is set."""
+    if config.cost_model_path is not None:
+        return CostModel.load(config.cost_model_path)
+    if config.time_budget_s is None:
+        return None
+    if device.type == "cuda":
+        print("pipeserve: time_budget_s without scheduler.cost_model_path uses the CPU-scale analytic"
+              " cost model; run `pipeserve profile` on this card", file=sys.stderr)
+    return CostModel.analytic_default()
+
+
+def _local_runner(
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, dtype, device, max_model_len: int
+) -> ModelRunner:
+    kv_caches = allocate_kv_cache(
+        loaded.config, num_layers=loaded.config.num_hidden_layers, num_blocks=num_blocks,
+        block_size=config.block_size, dtype=dtype, device=device,
+    )
+    graphs = capture_cuda_graphs(loaded.model, kv_caches, config, max_model_len=max_model_len, device=device)
+    return ModelRunner(loaded.model, kv_caches=kv_caches, block_size=config.block_size, device=device,
+                       cuda_graphs=graphs)
+
+
+def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
+    par = config.parallel
+    if launch is None:
+        env = {"PIPESERVE_ENGINE_CONFIG": json.dumps(engine_config_to_dict(config))}
+        # Under torchrun (bench/serve, runtime/engine/spmd.py) the ranks are the workers already.
+        launch = launch_spmd_ranks() or launch_torchrun(par.world_size, env)
+    return DistributedExecutor(
+        world_size=par.world_size, depth=par.depth, host=par.bind_host,
+        liveness_timeout_s=par.liveness_timeout_s, launch=launch,
+        split_post_lag=par.pp - 1 if config.split_sampling else None,
+    )
+
+
+def _num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device) -> int:
+    per_block = kv_cache_bytes_per_block(
+        model_config, num_layers=model_config.num_hidden_layers, block_size=config.block_size, dtype=dtype
+    )
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = total * config.gpu_memory_utilization - (total - free)
+        budget -= _activation_bytes(model_config, config.scheduler.max_num_batched_tokens, dtype)
+    else:
+        budget = config.kv_cache_memory_gb * 2**30
+    num_blocks = int(budget // per_block)
+    if num_blocks < 1:
+        raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or the model size")
+    return num_blocks
+
+
+def _activation_bytes(c, num_tokens: int, dtype: torch.dtype) -> int:
+    """A generous bound on one forward pass's transient memory (the KV pool takes the rest)."""
+    width = 6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_attention_heads * c.head_dim
+    logits = num_tokens * c.vocab_size * 4 * 2  # worst case: every row sampled, float32, twice
+    return int(num_tokens * width * dtype.itemsize * 2 + logits + (1 << 30))

@@ -1,0 +1,522 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2), for packed paged-KV serving.
+
+Tokens arrive flat: a micro-batch is T tokens from several sequences, with no batch dimension
+and no padding; ``AttentionMetadata`` says which tokens belong to which sequence and where
+their K/V live. A module holds the decoder layers [start_layer, end_layer) of one pipeline
+stage (the first and last of them possibly only half: a stage boundary may fall between a
+layer's attention and its MLP), plus the embedding on the first stage and the final norm + LM
+head on the last.
+
+Between stages travels one tensor, the residual stream [T, H] after the stage's last layer
+(inside a stage, layers pass ``(x, residual)`` so that RMSNorm can fuse the residual add).
+
+q/k/v and gate/up are fused into one projection each (one GEMM instead of three/two);
+``load_weights`` maps HF's separate tensors into their row ranges. Modules come in reading
+order: RMSNorm, RoPE, attention, MLP, decoder layer, model.
+
+Tensor parallelism lives in the layers (``pipeserve.parallel.tp_layers``): attention heads and
+the MLP's intermediate features are split over the TP ranks of a stage (column-parallel in,
+row-parallel out, one all-reduce each), the embedding and LM head over the vocabulary. The
+residual stream [T, H] is whole on every TP rank. With one TP rank the layers are plain
+``nn.Linear`` / ``nn.Embedding``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipeserve.kernels import KernelOps, torch_ops
+from pipeserve.kernels.attention_metadata import AttentionMetadata
+from pipeserve.parallel.context import ParallelContext
+from pipeserve.parallel.tp_layers import (
+    InvariantNumerics,
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    check_shape,
+    default_weight_loader,
+    read_rows,
+    shard_heads,
+)
+from pipeserve.runtime.model.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual): the normed input and the new residual."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+# --- RoPE ---------------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] in float32, with Llama-3 or linear scaling,
+    computed exactly as transformers' ``_compute_llama3_parameters`` /
+    ``_compute_linear_scaling_rope_parameters``."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / scaling["factor"]
+    assert scaling["rope_type"] == "llama3", scaling
+    factor = scaling["factor"]
+    low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed by `factor`, short ones kept, and the
+    # band between interpolated smoothly.
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (
+        high_freq_factor - low_freq_factor
+    )
+    smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed, inv_freq_llama)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position up to max_position_embeddings, kept in float32."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)  # [max_pos, d] float32
+        self.register_buffer("sin", sin, persistent=False)  # [max_pos, d] float32
+
+    def _tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.config).to(device)  # [d/2]
+        positions = torch.arange(self.config.max_position_embeddings, device=device).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, d]
+        return emb.cos(), emb.sin()
+
+    def _apply(self, fn, recurse=True):
+        # model.to(bfloat16) would round the tables; rebuild them in float32 instead.
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32 and self.cos.device.type != "meta":
+            self.cos, self.sin = self._tables(self.cos.device)
+        return self
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d] for positions [T], cast to the activations' dtype (as HF does)."""
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+# --- decoder ------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with a fused qkv projection over the paged KV cache.
+
+    Holds this TP rank's heads (``shard_heads``): ``num_heads`` query heads and
+    ``num_kv_heads`` KV heads, all counts local.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
+        super().__init__()
+        heads = shard_heads(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            parallel.tp_size,
+            parallel.tp_rank,
+        )
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
+        self.head_dim = d = config.head_dim
+        self.q_size = self.num_heads * d
+        self.kv_size = self.num_kv_heads * d
+        self.scale = d**-0.5
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            d,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            heads=heads,
+            bias=config.attention_bias,
+            parallel=parallel,
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * d,
+            config.hidden_size,
+            bias=config.o_proj_bias,
+            parallel=parallel,
+            cols=(heads.q_start * d, heads.q_stop * d),
+            unit=d,  # deterministic segments hold whole heads
+        )
+        # HF projection -> (our fused projection, its part: the loader places the rows).
+        self.hf_shards = {f"{p}_proj": ("qkv_proj", p) for p in "qkv"}
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)  # [T, h, d]
+        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        q, k = ops.rope(q, k, cos, sin)
+        ops.write_kv(k, v, kv_cache, meta.slot_mapping)
+        o = ops.paged_attention(q, kv_cache, meta, self.scale)  # [T, h, d]
+        return self.o_proj(o.reshape(T, self.q_size))  # [T, H]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        # Both split evenly over TP ranks, so gate and up keep equal local widths and
+        # down_proj's columns (the same even split) match them.
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=False, parallel=parallel
+        )
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, parallel=parallel)
+        self.hf_shards = {  # HF projection -> (our fused projection, its part)
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        # x: [T, H]
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I_local] -> [T, H]
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm block. A stage boundary may fall inside it (``StageLayers``): then one stage
+    holds its attention half (``mlp=False``) and the next its MLP half (``attention=False``)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, *, attention: bool = True,
+                 mlp: bool = True) -> None:
+        super().__init__()
+        assert attention or mlp
+        self.input_layernorm = self.self_attn = self.post_attention_layernorm = self.mlp = None
+        if attention:
+            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.self_attn = Attention(config, parallel)
+        if mlp:
+            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.mlp = MLP(config, parallel)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+        ops: KernelOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is ``x + residual`` on entry and exit (residual None: x alone)."""
+        if self.self_attn is not None:
+            x, residual = self.input_layernorm(x, residual, ops)
+            x = self.self_attn(x, cos, sin, kv_cache, meta, ops)
+        if self.mlp is not None:
+            x, residual = self.post_attention_layernorm(x, residual, ops)
+            x = self.mlp(x, ops)
+        return x, residual
+
+
+class HeadRows(nn.Module):
+    """LM head rows [0, rows) of a ``vocab_size``-row head (the first stage's share, split
+    sampling); loads its rows of ``lm_head.weight`` (or of the embedding, when the checkpoint
+    has no head)."""
+
+    def __init__(self, rows: int, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
+        self.vocab_size = vocab_size
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
+        check_shape(loaded, (self.vocab_size, param.shape[1]))
+        param.data.copy_(read_rows(loaded, range(param.shape[0])))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder layers [start_layer, end_layer) of a Llama-family model (one pipeline stage).
+
+    ``layers[j]`` is global layer ``start_layer + j``. ``first_mlp_only``: the first of them
+    holds only its MLP half, ``last_attention_only``: the last only its attention half (a stage
+    boundary inside a layer, ``parallel.stage_plan.StageLayers``). Holds ``embed_tokens`` only
+    when it begins at layer 0's attention, and ``norm`` + ``lm_head`` only when it ends with
+    the last layer's MLP.
+    ``head_rows`` > 0 gives a first stage that is not also the last the LM head's vocab rows
+    [0, head_rows) (``head_share_weight``; split sampling, ``parallel/split_head.py``).
+    ``parallel`` (default: one process) gives the TP rank whose shard of every layer this
+    module holds; ``num_local_kv_heads`` is the KV heads per layer on this rank, the head count
+    of its KV cache. ``ops`` (``pipeserve.kernels``; default the torch references, replaced
+    with ``set_ops``) runs the norm, RoPE, SiLU·mul, KV write and attention.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        start_layer: int = 0,
+        end_layer: int | None = None,
+        parallel: ParallelContext | None = None,
+        head_rows: int = 0,
+        first_mlp_only: bool = False,
+        last_attention_only: bool = False,
+    ) -> None:
+        super().__init__()
+        num_layers = config.num_hidden_layers
+        end_layer = num_layers if end_layer is None else end_layer
+        if not 0 <= start_layer <= end_layer <= num_layers:
+            raise ValueError(
+                f"need 0 <= start_layer <= end_layer <= {num_layers}, "
+                f"got [{start_layer}, {end_layer})"
+            )
+        if (first_mlp_only or last_attention_only) and (
+            end_layer - start_layer < 1 + (first_mlp_only and last_attention_only)
+        ):
+            raise ValueError(f"layers [{start_layer}, {end_layer}) cannot lose both halves")
+        parallel = ParallelContext.single() if parallel is None else parallel
+        self.config, self.parallel = config, parallel
+        self.ops = torch_ops()
+        self.start_layer, self.end_layer = start_layer, end_layer
+        self.num_local_kv_heads = shard_heads(
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            parallel.tp_size,
+            parallel.tp_rank,
+        ).num_kv_heads
+        self.embed_tokens = None
+        if start_layer == 0 and not first_mlp_only:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel=parallel
+            )
+        self.rotary_emb = RotaryEmbedding(config)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, parallel, attention=not (first_mlp_only and i == start_layer),
+                         mlp=not (last_attention_only and i == end_layer - 1))
+            for i in range(start_layer, end_layer)
+        )
+        # Layers whose attention this stage runs: one KV cache each (checked on every forward).
+        self.num_attention_layers = sum(layer.self_attn is not None for layer in self.layers)
+        self.norm = self.lm_head = None
+        if end_layer == num_layers and not last_attention_only:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel)
+            if config.tie_word_embeddings and self.embed_tokens is not None:
+                self.lm_head.weight = self.embed_tokens.weight
+        # The first stage's LM head rows (split sampling). Loaded by the last stage's rule
+        # (lm_head.weight, else the embedding), tied or not, so the two halves are one head.
+        self.head_share = None
+        if head_rows > 0 and self.embed_tokens is not None and self.lm_head is None:
+            if parallel.tp_size != 1 or not 0 < head_rows < config.vocab_size:
+                raise ValueError(f"a head share needs tp=1 and 0 < head_rows < {config.vocab_size}, got "
+                                 f"tp={parallel.tp_size}, head_rows={head_rows}")
+            self.head_share = HeadRows(head_rows, config.vocab_size, config.hidden_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run this stage on T packed tokens; returns [T, H].
+
+        input_ids [T] on the first stage, else hidden_states [T, H] (the previous stage's
+        output); positions [T]; kv_caches: one per attention held (``num_attention_layers``).
+        The output is final-normed on the last stage, else the residual stream for the next
+        stage.
+        """
+        if self.embed_tokens is not None:
+            if input_ids is None:
+                raise ValueError("the first stage needs input_ids")
+            x = self.embed_tokens(input_ids)  # [T, H]
+        else:
+            if hidden_states is None:
+                raise ValueError("a stage after the first needs hidden_states")
+            x = hidden_states  # [T, H]
+        if len(kv_caches) != self.num_attention_layers:
+            raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_attention_layers} attention layers")
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, d] each
+        residual = None
+        caches = iter(kv_caches)
+        for layer in self.layers:
+            kv_cache = next(caches) if layer.self_attn is not None else None
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
+        if self.norm is not None:
+            x, _ = self.norm(x, residual, self.ops)
+        elif residual is not None:
+            x = x + residual
+        return x
+
+    def set_ops(self, ops: KernelOps, *, reduction_splits: int = 1) -> None:
+        """Run the hot operations through ``ops`` (torch references or Triton kernels).
+
+        Batch-invariant ops (``kernel_ops(..., batch_invariant=True)``) also make the linear
+        layers deterministic: their matmul everywhere, row-parallel inputs reduced over
+        ``reduction_splits`` float32 segments (``InvariantNumerics``)."""
+        self.ops = ops
+        numerics = None
+        if ops.matmul is not None:
+            numerics = InvariantNumerics(matmul=ops.matmul, reduction_splits=reduction_splits)
+        for module in self.modules():
+            if hasattr(module, "set_numerics"):
+                module.set_numerics(numerics)
+
+    @property
+    def head_share_weight(self) -> torch.Tensor | None:
+        """[head_rows, H]: the first stage's rows of the LM head; None without a share."""
+        return None if self.head_share is None else self.head_share.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,
+        on every TP rank (last stage only; with TP > 1 a collective: all TP ranks call it)."""
+        assert self.lm_head is not None, "compute_logits needs the last stage"
+        return self.lm_head(hidden)
+
+    # --- weights --------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy HF-named tensors in (converting dtype/device), skipping what this stage does
+        not hold. The LM head falls back to the embedding when tied or absent. Raises
+        ValueError listing missing, unexpected or misshapen parameters.
+
+        A weight may be a full tensor or a lazy slice (safetensors ``get_slice``,
+        ``GGUFTensorSlice``): each layer's ``weight_loader`` reads only this TP rank's rows or
+        columns of it, and tensors this stage does not hold are never read.
+        """
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        errors: list[str] = []
+        with torch.no_grad():
+            for hf_name, tensor in weights:
+                if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue
+                # A real lm_head.weight wins over the embedding, whichever comes first.
+                if (
+                    hf_name == "model.embed_tokens.weight"
+                    and self._head_reads_embedding()
+                    and "lm_head.weight" not in loaded
+                ):
+                    self._load_param(self._target("lm_head.weight")[0], None, tensor, hf_name, errors)
+                    loaded.add("lm_head.weight")
+                target = self._target(hf_name)
+                if target is None:
+                    continue
+                name, part = target
+                if name not in params:
+                    errors.append(f"unexpected parameter {hf_name}")
+                    continue
+                self._load_param(name, part, tensor, hf_name, errors)
+                loaded.add(hf_name)
+        missing = sorted(self.expected_weight_names() - loaded)
+        if missing:
+            errors.append(f"missing parameters: {', '.join(missing)}")
+        if errors:
+            raise ValueError("load_weights failed:\n  " + "\n  ".join(errors))
+
+    def expected_weight_names(self) -> set[str]:
+        """HF names this module needs (a separate ``lm_head.weight`` may come from the
+        embedding; a shared one is the embedding)."""
+        names = set()
+        if self.embed_tokens is not None:
+            names.add("model.embed_tokens.weight")
+        if self.lm_head is not None:
+            names.add("model.norm.weight")
+            if self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight:
+                names.add("lm_head.weight")
+        if self.head_share is not None:
+            names.add("lm_head.weight")
+        for i, layer in enumerate(self.layers, start=self.start_layer):
+            prefix = f"model.layers.{i}."
+            if layer.self_attn is not None:
+                names.add(prefix + "input_layernorm.weight")
+                names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
+                if self.config.attention_bias:
+                    names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
+                if self.config.o_proj_bias:
+                    names.add(f"{prefix}self_attn.o_proj.bias")
+            if layer.mlp is not None:
+                names.add(prefix + "post_attention_layernorm.weight")
+                names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+        return names
+
+    def _head_reads_embedding(self) -> bool:
+        """The embedding is copied into a separate lm_head (tied across stages, or a
+        checkpoint without lm_head.weight: a later lm_head.weight overwrites it); also the
+        first stage's head share."""
+        if self.lm_head is None:
+            return self.head_share is not None
+        return self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight
+
+    def _target(self, hf_name: str) -> tuple[str, Any] | None:
+        """(our parameter name, its part of a fused projection or None) for an HF name; None
+        when this stage does not hold it. Unknown names map to a name absent from the module."""
+        if hf_name == "lm_head.weight" and self.head_share is not None:
+            return "head_share.weight", None
+        if hf_name == "lm_head.weight" or hf_name.startswith("model.norm."):
+            return None if self.lm_head is None else (hf_name.removeprefix("model."), None)
+        if hf_name.startswith("model.embed_tokens."):
+            return None if self.embed_tokens is None else (hf_name.removeprefix("model."), None)
+        parts = hf_name.split(".")
+        if len(parts) < 4 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return hf_name, None
+        layer = int(parts[2])
+        if not self.start_layer <= layer < self.end_layer:
+            return None
+        prefix = f"layers.{layer - self.start_layer}"
+        # e.g. model.layers.3.self_attn.q_proj.bias -> layers.1.self_attn.qkv_proj.bias, "q"
+        block = self.layers[layer - self.start_layer]
+        if parts[3] in ("input_layernorm", "self_attn") and block.self_attn is None:
+            return None  # the attention half of a split layer: the stage before holds it
+        if parts[3] in ("post_attention_layernorm", "mlp") and block.mlp is None:
+            return None  # the MLP half: the stage after holds it
+        module = getattr(block, parts[3], None)
+        shards = getattr(module, "hf_shards", {})
+        if len(parts) == 6 and parts[4] in shards:
+            fused, part = shards[parts[4]]
+            return f"{prefix}.{parts[3]}.{fused}.{parts[5]}", part
+        return f"{prefix}.{'.'.join(parts[3:])}", None
+
+    def _load_param(
+        self, name: str, part: Any, tensor: Any, hf_name: str, errors: list[str]
+    ) -> None:
+        """Load through the owning layer's ``weight_loader`` (TP layers slice their rank's
+        share), else whole; a shape mismatch becomes an error line."""
+        module_name, _, attr = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        param = getattr(module, attr)
+        loader = getattr(module, "weight_loader", None)
+        try:
+            if loader is not None:
+                loader(param, tensor, part)
+            else:
+                default_weight_loader(param, tensor)
+        except ValueError as e:
+            errors.append(f"{hf_name}: {e}")

@@ -1,0 +1,592 @@
+"""The OpenAI-compatible HTTP server: FastAPI + uvicorn in the frontend process.
+
+    run(engine_config, ServerConfig(port=8000, api_key="..."))    # blocks; returns an exit code
+
+The frontend tokenizes (chat templates included), validates every request exactly as the
+engine will, applies admission control and streams what the engine process sends back
+(``runtime.frontend``). Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
+``/v1/requests/{id}/cancel``, ``/health`` and ``/metrics``; with an API key every route but
+``/health`` wants ``Authorization: Bearer <key>``. SIGTERM (or Ctrl-C) stops accepting
+connections, lets in-flight requests finish, stops the engine and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.engine.llm_engine import validate_request
+from pipeserve.runtime.serving.frontend import AsyncEngineClient, Delta, EngineProcess
+from pipeserve.runtime.model.loader import read_config_and_tokenizer, resolve_model_path
+from pipeserve.runtime.serving.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse,
+)
+from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.serving.server_metrics import ServerMetrics
+
+logger = logging.getLogger("pipeserve.server")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    """Interface to listen on; 127.0.0.1 (this machine only) unless told otherwise."""
+    port: int = 8000
+    """TCP port; 0 picks a free one (the ready line on stdout says which)."""
+    api_key: str | None = None
+    """If set, every route but /health wants `Authorization: Bearer <api_key>`."""
+    served_model_name: str | None = None
+    """The `model` clients name; None = the checkpoint's file or folder name."""
+    max_queue_depth: int = 1024
+    """Sequences the server holds beyond the engine's max_num_seqs; past it: 429 + Retry-After."""
+    max_sequences_per_request: int = 64
+    """Most sequences (prompts × n) one HTTP request may ask for."""
+    max_body_bytes: int = 4 * 2**20
+    """Larger request bodies are answered 413."""
+    retry_after_s: int = 1
+    """The Retry-After header of 429/503 answers."""
+    drain_timeout_s: float = 120.0
+    """On SIGTERM, how long in-flight requests may take before they are cancelled."""
+    engine_start_timeout_s: float = 900.0
+    """How long the engine (and its workers) may take to load the model."""
+    stats_interval_s: float = 0.5
+    """How often the engine reports queue and KV figures for /metrics."""
+    log_level: str = "info"
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("server.api_key must be non-empty (or null for no key)")
+        for name in ("max_queue_depth", "retry_after_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"server.{name} must be >= 0")
+        for name in ("max_sequences_per_request", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"server.{name} must be >= 1")
+        if self.drain_timeout_s <= 0 or self.engine_start_timeout_s <= 0 or self.stats_interval_s <= 0:
+            raise ValueError("server timeouts and intervals must be > 0")
+
+
+@dataclass(slots=True)
+class _Job:
+    """One HTTP request's sequences in the engine (choice index = position in request_ids)."""
+
+    response_id: str
+    request_ids: list[str]
+    queue: asyncio.Queue
+    num_prompt_tokens: int
+    num_logprobs: int | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class ClientGone(Exception):
+    pass
+
+
+class OpenAIServing:
+    """Everything behind the routes: validation, admission, submission, response building."""
+
+    def __init__(self, config: ServerConfig, client: AsyncEngineClient, tokenizer, engine_info: dict,
+                 model_name: str, metrics: ServerMetrics) -> None:
+        self.config, self.client, self.tokenizer = config, client, tokenizer
+        self.info, self.model_name, self.metrics = engine_info, model_name, metrics
+        self.jobs: dict[str, _Job] = {}
+        self.draining = False
+
+    # ---- validation and admission ------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"The model `{model}` does not exist (this server has `{self.model_name}`).",
+                           param="model", code="model_not_found")
+
+    def sampling_params(self, fields: dict) -> SamplingParams:
+        try:
+            return SamplingParams(**fields)
+        except (ValueError, TypeError) as e:
+            name = str(e).split(" ", 1)[0]
+            raise ApiError(400, str(e), param=name if name in fields else None) from None
+
+    def checked_prompt(self, ids: list[int], params: SamplingParams, param: str) -> list[int]:
+        try:
+            _, ids, _ = validate_request(ids, params, tokenizer=self.tokenizer, vocab_size=self.info["vocab_size"],
+                                         max_model_len=self.info["max_model_len"])
+        except ValueError as e:
+            raise ApiError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else param) from None
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own errors on odd input
+            raise ApiError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+
+    def admit(self, num_seqs: int) -> None:
+        if num_seqs > self.config.max_sequences_per_request:
+            raise ApiError(400, f"a request may ask for at most {self.config.max_sequences_per_request} "
+                           f"sequences (prompts × n), got {num_seqs}", param="n")
+        retry = {"Retry-After": str(self.config.retry_after_s)}
+        if self.draining or self.client.engine_error is not None:
+            raise ApiError(503, "the server is shutting down", type="server_error", code="unavailable",
+                           headers=retry)
+        limit = self.info["max_num_seqs"] + self.config.max_queue_depth
+        if self.client.num_in_flight + num_seqs > limit:
+            raise ApiError(429, f"the server is at its queue limit ({limit} sequences in flight); retry later",
+                           type="rate_limit_error", code="server_overloaded", headers=retry)
+
+    # ---- submission --------------------------------------------------------------------------
+
+    def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams, *, stream: bool) -> _Job:
+        """Queues n sequences per prompt (seeds offset per sequence, as the offline LLM does)."""
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        job = _Job(response_id, [], asyncio.Queue(), sum(len(p) for p in prompts), params.logprobs)
+        fields = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
+        for ids in prompts:
+            for j in range(params.n):
+                seq_fields = dict(fields, n=1, seed=None if params.seed is None else params.seed + j)
+                rid = f"{response_id}-{len(job.request_ids)}"
+                self.client.add(rid, ids, seq_fields, stream=stream, sink=job.queue, index=len(job.request_ids))
+                job.request_ids.append(rid)
+        self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
+        self.jobs[response_id] = job
+        return job
+
+    def release(self, job: _Job) -> None:
+        """The HTTP request is over: abort what is still running (frees its KV blocks)."""
+        self.client.abort(job.request_ids)
+        self.jobs.pop(job.response_id, None)
+
+    def cancel(self, response_id: str) -> bool:
+        job = self.jobs.get(response_id)
+        if job is None:
+            return False
+        self.client.abort(job.request_ids)
+        return True
+
+    async def collect(self, job: _Job, request: Request) -> list[dict]:
+        """Waits for every sequence of a non-streaming request, or raises ClientGone."""
+        outs = [dict(token_ids=[], text="", logprobs=[], finish_reason=None, stop_reason=None)
+                for _ in job.request_ids]
+
+        async def gather() -> None:
+            remaining = len(outs)
+            while remaining:
+                d: Delta = await job.queue.get()
+                if d.error is not None:
+                    raise ApiError(500, f"generation failed: {d.error}", type="server_error", code="engine_error")
+                o = outs[d.index]
+                o["token_ids"] += d.token_ids
+                o["text"] += d.text
+                o["logprobs"] += d.logprobs or []
+                if d.finish_reason is not None:
+                    o["finish_reason"], o["stop_reason"] = d.finish_reason, d.stop_reason
+                    remaining -= 1
+
+        await _unless_disconnected(request, gather())
+        return outs
+
+    # ---- logprobs ------------------------------------------------------------------------------
+
+    @lru_cache(maxsize=65536)  # noqa: B019 - one server object per process
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _top(self, lps: dict[int, float], k: int) -> list[tuple[int, float]]:
+        return sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict], k: int, offset: int) -> dict:
+        tokens = [self.token_text(t) for t in token_ids]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
+            "top_logprobs": [{self.token_text(i): v for i, v in self._top(lp, k)} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict], k: int) -> dict:
+        def entry(i: int, v: float | None) -> dict:
+            s = self.token_text(i)
+            return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
+
+        return {"content": [
+            {**entry(t, lp.get(t)), "top_logprobs": [entry(i, v) for i, v in self._top(lp, k)]}
+            for t, lp in zip(token_ids, logprobs)
+        ]}
+
+    def usage(self, job: _Job, num_completion_tokens: int) -> dict:
+        return {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": num_completion_tokens,
+                "total_tokens": job.num_prompt_tokens + num_completion_tokens}
+
+
+async def _unless_disconnected(request: Request, work):
+    """Runs `work`; if the client hangs up first, cancels it and raises ClientGone."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task in done:
+        return task.result()
+    raise ClientGone()
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+# ---- routes ---------------------------------------------------------------------------------------
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def completions(request: Request, s: OpenAIServing) -> Response:
+    req: CompletionRequest = parse(CompletionRequest, await read_body(request, s.config.max_body_bytes))
+    req.check_unsupported()
+    s.check_model(req.model)
+    params = s.sampling_params(dict(req.sampling_fields(), n=req.n, max_tokens=req.max_tokens,
+                                    logprobs=req.logprobs))
+    prompts = [s.checked_prompt(s.encode(p) if isinstance(p, str) else p, params, "prompt")
+               for p in req.prompts()]
+    s.admit(len(prompts) * params.n)
+    job = s.submit("cmpl", prompts, params, stream=req.stream)
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return _JobStream(_completion_events(s, job, include_usage), s, job)
+    try:
+        outs = await s.collect(job, request)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        s.release(job)
+    choices = [{
+        "index": i, "text": o["text"], "finish_reason": o["finish_reason"], "stop_reason": o["stop_reason"],
+        "logprobs": None if job.num_logprobs is None else
+        s.completion_logprobs(o["token_ids"], o["logprobs"], job.num_logprobs, 0),
+    } for i, o in enumerate(outs)]
+    return JSONResponse({
+        "id": job.response_id, "object": "text_completion", "created": job.created, "model": s.model_name,
+        "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs)),
+    })
+
+
+async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool):
+    remaining, num_tokens = len(job.request_ids), 0
+    offsets = [0] * len(job.request_ids)
+    base = {"id": job.response_id, "object": "text_completion", "created": job.created, "model": s.model_name}
+    while remaining:
+        d: Delta = await job.queue.get()
+        if d.error is not None:
+            yield _sse({"error": ApiError(500, f"generation failed: {d.error}", type="server_error").body()["error"]})
+            return
+        num_tokens += len(d.token_ids)
+        remaining -= d.finish_reason is not None
+        if not d.text and d.finish_reason is None and job.num_logprobs is None:
+            continue  # tokens whose text is held back (incomplete character, possible stop string)
+        logprobs = None
+        if job.num_logprobs is not None:
+            logprobs = s.completion_logprobs(d.token_ids, d.logprobs or [], job.num_logprobs, offsets[d.index])
+        offsets[d.index] += len(d.text)
+        choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
+                  "stop_reason": d.stop_reason}
+        yield _sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": s.usage(job, num_tokens)})
+    yield _sse("[DONE]")
+
+
+async def chat_completions(request: Request, s: OpenAIServing) -> Response:
+    req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, s.config.max_body_bytes))
+    req.check_unsupported()
+    s.check_model(req.model)
+    params = s.sampling_params(dict(req.sampling_fields(), n=req.n, max_tokens=req.token_limit,
+                                    logprobs=req.num_logprobs))
+    try:
+        ids = s.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
+                                              add_generation_prompt=req.add_generation_prompt, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception or a Jinja error
+        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
+    prompt = s.checked_prompt(ids, params, "messages")
+    s.admit(params.n)
+    job = s.submit("chatcmpl", [prompt], params, stream=req.stream)
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return _JobStream(_chat_events(s, job, include_usage), s, job)
+    try:
+        outs = await s.collect(job, request)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        s.release(job)
+    choices = [{
+        "index": i, "message": {"role": "assistant", "content": o["text"]},
+        "finish_reason": o["finish_reason"], "stop_reason": o["stop_reason"],
+        "logprobs": None if job.num_logprobs is None else
+        s.chat_logprobs(o["token_ids"], o["logprobs"], job.num_logprobs),
+    } for i, o in enumerate(outs)]
+    return JSONResponse({
+        "id": job.response_id, "object": "chat.completion", "created": job.created, "model": s.model_name,
+        "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs)),
+    })
+
+
+async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool):
+    base = {"id": job.response_id, "object": "chat.completion.chunk", "created": job.created, "model": s.model_name}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, delta: dict, finish_reason=None, logprobs=None, stop_reason=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        return _sse({**base, "choices": [choice], **extra})
+
+    for i in range(len(job.request_ids)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+    remaining, num_tokens = len(job.request_ids), 0
+    while remaining:
+        d: Delta = await job.queue.get()
+        if d.error is not None:
+            yield _sse({"error": ApiError(500, f"generation failed: {d.error}", type="server_error").body()["error"]})
+            return
+        num_tokens += len(d.token_ids)
+        remaining -= d.finish_reason is not None
+        if not d.text and d.finish_reason is None and job.num_logprobs is None:
+            continue
+        logprobs = None
+        if job.num_logprobs is not None:
+            logprobs = s.chat_logprobs(d.token_ids, d.logprobs or [], job.num_logprobs)
+        yield chunk(d.index, {"content": d.text} if d.text else {}, d.finish_reason, logprobs, d.stop_reason)
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": s.usage(job, num_tokens)})
+    yield _sse("[DONE]")
+
+
+class _JobStream(StreamingResponse):
+    """Server-sent events of one job; however the response ends (finished, failed, the client
+    gone before or while streaming) the job's unfinished sequences are aborted."""
+
+    def __init__(self, events, s: OpenAIServing, job: _Job) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Request-Id": job.response_id})
+        self._release = lambda: s.release(job)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+def build_app(s: OpenAIServing) -> FastAPI:
+    app = FastAPI(title="pipeserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if s.draining or s.client.engine_error is not None:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse({"object": "list", "data": [{
+            "id": s.model_name, "object": "model", "created": 0, "owned_by": "pipeserve",
+            "max_model_len": s.info["max_model_len"],
+        }]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        s.metrics.num_in_flight.set(s.client.num_in_flight)
+        return Response(s.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def post_completions(request: Request) -> Response:
+        return await completions(request, s)
+
+    @app.post("/v1/chat/completions")
+    async def post_chat_completions(request: Request) -> Response:
+        return await chat_completions(request, s)
+
+    @app.post("/v1/requests/{response_id}/cancel")
+    async def cancel(response_id: str) -> Response:
+        if not s.cancel(response_id):
+            raise ApiError(404, f"no request {response_id!r} is in flight", param="response_id")
+        return JSONResponse({"id": response_id, "object": "request.cancelled", "cancelled": True})
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> Response:
+        s.metrics.on_rejected(e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> Response:
+        s.metrics.on_rejected(e.status_code)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> Response:
+        logger.exception("internal error")
+        s.metrics.on_rejected(500)
+        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
+                            status_code=500)
+
+    if s.config.api_key is not None:
+        app.add_middleware(_RequireApiKey, api_key=s.config.api_key, on_reject=s.metrics.on_rejected)
+    return app
+
+
+class _RequireApiKey:
+    """ASGI middleware: every HTTP request but GET /health needs `Authorization: Bearer <key>`
+    (unknown routes too, so they reveal nothing without it)."""
+
+    def __init__(self, app, api_key: str, on_reject) -> None:
+        self.app, self.on_reject = app, on_reject
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        self.on_reject(401)
+        e = ApiError(401, "missing or wrong API key (send `Authorization: Bearer <key>`)", code="invalid_api_key",
+                     headers={"WWW-Authenticate": "Bearer"})
+        await JSONResponse(e.body(), status_code=401, headers=e.headers)(scope, receive, send)
+
+
+# ---- the process -------------------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, but SIGTERM/SIGINT mark the server draining (503 to new requests on kept-alive
+    connections) and a drained shutdown exits cleanly instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing, url: str) -> None:
+        super().__init__(config)
+        self.serving, self.url = serving, url
+
+    def handle_exit(self, sig, frame) -> None:
+        self.serving.draining = True
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            print(f"pipeserve: serving {self.serving.model_name} on {self.url} "
+                  f"(engine pid {self.serving.info['pid']})", flush=True)
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(resolve_model_path(model))).removesuffix(".gguf")
+
+
+def run(engine_config: EngineConfig, config: ServerConfig) -> int:
+    """Starts the engine process, serves HTTP until SIGTERM/SIGINT (or the engine exits)."""
+    engine = EngineProcess.spawn(engine_config, stats_interval_s=config.stats_interval_s)
+    try:
+        _, tokenizer, _ = read_config_and_tokenizer(engine_config.model)  # while the engine loads
+        engine.wait_ready(timeout_s=config.engine_start_timeout_s)
+        return asyncio.run(_serve(engine, tokenizer, engine_config, config))
+    finally:
+        engine.stop(grace_s=5.0)
+
+
+async def _serve(engine: EngineProcess, tokenizer, engine_config: EngineConfig, config: ServerConfig) -> int:
+    model_name = config.served_model_name or default_model_name(engine_config.model)
+    metrics = ServerMetrics(model_name)
+    serving: OpenAIServing | None = None
+
+    def on_delta(d: Delta) -> None:
+        metrics.on_tokens(len(d.token_ids))
+        if d.finish_reason is not None:
+            metrics.on_finished(d.finish_reason, d.timings)
+
+    def on_stats(stats) -> None:
+        metrics.on_stats(stats)
+        if stats.draining and serving is not None:
+            serving.draining = True  # the engine got SIGTERM itself: drain with it
+
+    client = AsyncEngineClient(engine, on_stats=on_stats, on_delta=on_delta)
+    serving = OpenAIServing(config, client, tokenizer, engine.info, model_name, metrics)
+    uv_config = uvicorn.Config(build_app(serving), host=config.host, port=config.port,
+                               log_level=config.log_level, access_log=config.access_log,
+                               timeout_graceful_shutdown=config.drain_timeout_s, lifespan="off")
+    sock = uv_config.bind_socket()
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    server = _Server(uv_config, serving, url)
+    engine_exit: list[int] = []
+
+    def on_engine_exit(code: int) -> None:
+        engine_exit.append(code)
+        serving.draining = True
+        server.should_exit = True
+
+    await client.start(on_engine_exit=on_engine_exit)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        code = await client.close(grace_s=30.0)
+    if engine_exit:  # the engine ended first: drained after its own SIGTERM (0), or died
+        if engine_exit[0] != 0:
+            logger.error("the engine process exited with code %s", engine_exit[0])
+        return 0 if engine_exit[0] == 0 and serving.draining else 1
+    return 0 if code in (0, None) else 1
