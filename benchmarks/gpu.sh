@@ -1,0 +1,211 @@
+#!/usr/bin/env bash
+# GPU benchmark scenarios, one per table of BENCHMARKS.md. From the repository root of a GPU machine:
+#
+#   bash benchmarks/gpu.sh SCENARIO [SCENARIO ...]
+#
+#   peers     1 GPU    pipeserve against DeepSpeed-FastGen and transformers: 64 requests, prompts U[128,2048], 128 out
+#   prefix    1 GPU    prefix sharing (Mooncake, shared prefix): caching off / on / grouping, against FastGen
+#   sharegpt  1 GPU    1,000 ShareGPT requests, pipeserve against FastGen
+#   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
+#   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
+#   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget, 2 and 3 decode groups (twice each), orca
+#   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
+#   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
+#
+# benchmarks/README.md says what each measures, how long it takes and what to carry (FastGen's
+# wheels in .whl/ for peers, prefix and sharegpt). Each scenario prints its table; the tables of
+# the whole invocation print again last. Under $OUT (default /tmp/out): summary.md (every table),
+# results.json (the figures, by tree and scenario) and logs.tar.gz (every log, result.json and
+# profile); the run folders stay in /tmp/gpu_runs.
+#
+#   TREE=<folder>  run against another checkout of pipeserve (an older commit in a git-ignored
+#                  folder): `TREE=.before bash benchmarks/gpu.sh peers; bash benchmarks/gpu.sh peers`
+#                  measures before and after in one run. LABEL=<name> names a tree in the tables.
+#   DRY=1          print the commands instead of running them (no GPU needed)
+#   SYSTEMS=<list> bench_peers systems for peers, prefix and sharegpt (e.g. pipeserve,fastgen)
+#   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+SCENARIOS="peers prefix sharegpt scaling capacity bubbles roofline profile"
+[ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
+for s in "$@"; do
+  [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
+done
+REPO=$(pwd)
+DRY=${DRY:-}
+ROOT=$(cd "${TREE:-.}" && pwd) || exit 2
+export TREE=$ROOT
+if [ -n "$DRY" ]; then
+  OUT=${OUT:-/tmp/out}; NGPU=${NGPU:-2}; CARD=${CARD:-GPU}
+else
+  source .ci/gpu_env.sh || exit 2
+  NGPU=$(nvidia-smi -L | wc -l)
+  CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+fi
+LABEL=${LABEL:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || basename "$ROOT")}
+BASE=/tmp/gpu_runs
+MODEL_DIR=$BASE/llama3-8b   # bench_peers' model folder: its random weights are written once, then reused
+
+# The GPT-2 tokenizer that older GPU scripts carried: trees whose bench needs one get it, and the
+# current tree accepts it (without it, the dummy model's vocabulary is generated, of the same size).
+TOK=$REPO/.whl/gpt2_tokenizer.json
+if [ -f "$TOK" ]; then
+  TOK_BENCH="dummy_model.tokenizer=$TOK" TOK_TOOL="--tokenizer $TOK"
+else
+  TOK_BENCH="" TOK_TOOL=""
+  [ "$ROOT" != "$REPO" ] && echo "note: no .whl/gpt2_tokenizer.json; an older tree's bench may need it"
+fi
+D8="dummy_model.shape=llama3-8b $TOK_BENCH"
+QUIET="bench.progress=false bench.plots=false bench.save_steps=false"
+ARXIV="workload=arxiv workload.max_prompt_len=null workload.max_output_len=512"
+HALF="parallel.half_layer_stages=true"   # the bubbles' stage split: 16.5 / 15.5 layers
+
+run() {  # run NAME SECONDS GPUS COMMAND...: in the tree under test; output in $DIR/NAME.log
+  local name=$1 limit=$2 gpus=$3; shift 3
+  if [ -n "$DRY" ]; then
+    echo "CUDA_VISIBLE_DEVICES=$gpus timeout $limit $*"
+    return 0
+  fi
+  local t0=$SECONDS rc
+  echo "# CUDA_VISIBLE_DEVICES=$gpus $*" >"$DIR/$name.log"
+  (cd "$ROOT" && CUDA_VISIBLE_DEVICES=$gpus timeout "$limit" "$@") >>"$DIR/$name.log" 2>&1
+  rc=$?
+  echo "$name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || grep -v "^#" "$DIR/$name.log" | tail -12
+  return "$rc"
+}
+
+bench() {  # bench NAME SECONDS GPUS OVERRIDES...: pipeserve bench on the Llama-3-8B shape, run folder $DIR/NAME
+  local name=$1 limit=$2 gpus=$3; shift 3
+  run "$name" "$limit" "$gpus" python3 -m pipeserve.launch.cli bench $D8 $QUIET hydra.run.dir="$DIR/$name" "$@"
+}
+
+tool() {  # tool NAME SECONDS GPUS MODULE ARGS...: `python -m tools.MODULE` of the tree under test
+  local name=$1 limit=$2 gpus=$3 module=tools.$4; shift 4
+  [ -d "$ROOT/tools" ] || module=pipeserve.launch.${module#tools.}   # trees from before tools/ held the probes in launch/
+  run "$name" "$limit" "$gpus" python3 -m "$module" "$@"
+}
+
+need_gpus() {
+  [ "$NGPU" -ge "$1" ] && return 0
+  echo "$SCENARIO needs $1 GPUs, this machine has $NGPU: skipped"
+  return 1
+}
+
+peers() {  # ~6 min: writes the random weights once (FastGen and transformers load them), FastGen's kernel build ~140 s
+  tool peers 590 0 bench_peers --systems "${SYSTEMS:-pipeserve,transformers,fastgen}" $TOK_TOOL \
+    --workdir "$MODEL_DIR" --out "$DIR/peers.json"
+}
+
+prefix() {  # ~4 min after peers on the same machine: 64 requests, 128 out each, per workload
+  local w
+  for w in mooncake shared_prefix; do
+    tool "prefix-$w" 290 0 bench_peers --workload "$w" \
+      --systems "${SYSTEMS:-pipeserve,pipeserve:prefix=caching,pipeserve:prefix=grouping,fastgen}" $TOK_TOOL \
+      --workdir "$MODEL_DIR" --out "$DIR/prefix-$w.json"
+  done
+}
+
+sharegpt() {  # ~9 min (FastGen alone ~6): run it alone, after peers built FastGen's kernels, or with SYSTEMS=pipeserve
+  tool sharegpt 595 0 bench_peers --workload sharegpt --num-requests 1000 --systems "${SYSTEMS:-pipeserve,fastgen}" \
+    $TOK_TOOL --workdir "$MODEL_DIR" --out "$DIR/sharegpt.json"
+}
+
+scaling() {  # ~9 min: six runs of 1-2 min (start-up and graph capture included)
+  need_gpus 2 || return 0
+  local common="workload=uniform workload.arrival=offline scheduler.max_num_batched_tokens=2048 scheduler.max_num_seqs=256"
+  local short_out="workload.num_requests=256 workload.min_prompt_len=128 workload.max_prompt_len=2048
+    workload.min_output_len=256 workload.max_output_len=256"
+  local long_out="workload.num_requests=128 workload.min_prompt_len=1000 workload.max_prompt_len=1200
+    workload.min_output_len=1600 workload.max_output_len=1800"
+  local w
+  for w in short_out long_out; do
+    bench "scaling-${w/_/-}-1gpu" 180 0 $common ${!w}
+    bench "scaling-${w/_/-}-pp2" 180 0,1 $common ${!w} parallel.pp=2
+    bench "scaling-${w/_/-}-tp2" 180 0,1 $common ${!w} parallel.tp=2
+  done
+}
+
+capacity() {  # two GPUs: ~6 min, each policy on its own card at once; one GPU: ~9 min, in turn, a coarser search
+  local cap="$ARXIV capacity.enabled=true capacity.tbt_p99_slo_s=0.1 capacity.num_requests=48 capacity.probe_duration_s=20"
+  local sarathi="scheduler=sarathi scheduler.max_num_batched_tokens=512 capacity.start_rate=10"
+  local vllm="scheduler=vllm capacity.start_rate=4"
+  if [ "$NGPU" -ge 2 ]; then
+    cap="$cap capacity.rel_tol=0.1 capacity.max_probes=6"
+    bench capacity-sarathi 420 0 $cap $sarathi &
+    bench capacity-vllm 420 1 $cap $vllm &
+    wait
+  else
+    cap="$cap capacity.rel_tol=0.2 capacity.max_probes=4"
+    bench capacity-sarathi 280 0 $cap $sarathi
+    bench capacity-vllm 280 0 $cap $vllm
+  fi
+}
+
+cost_model() {  # prints the path of this card's profile: COST_MODEL, one kept by an earlier invocation on this machine, or a new one
+  if [ -n "${COST_MODEL:-}" ]; then echo "$COST_MODEL"; return 0; fi
+  local path=$BASE/cost_model_$(echo "$CARD" | tr -c 'A-Za-z0-9\n' '_').json
+  [ -f "$path" ] && { echo "$path"; return 0; }
+  # The budget it prints is a 128-token chunk's predicted time (scheduler.max_num_batched_tokens);
+  # prefixes to 6,144 tokens: arXiv prompts reach 8k.
+  run profile 240 0 python3 -m pipeserve.launch.cli profile $D8 hydra.run.dir="$DIR/profile" \
+    scheduler.max_num_batched_tokens=128 profile.chunk_tokens=[64,128,256,512,1024] \
+    profile.prefix_lens=[0,1024,3072,6144] profile.decode_batch_sizes=[1,8,32,64] \
+    profile.decode_context_lens=[512,2048,4096] >&2 || return 1
+  [ -n "$DRY" ] && { echo "$DIR/profile/cost_model.json"; return 0; }
+  cp "$DIR/profile/cost_model.json" "$path" && echo "$path"
+}
+
+bubbles() {  # ~10 min with a kept profile (each run ~1.5 min), ~12 without: run `profile` first where commands are cut at 10 min
+  need_gpus 2 || return 0
+  local load="$ARXIV workload.rate=8 workload.num_requests=288 parallel.pp=2 $HALF"
+  local cm budget i g
+  cm=$(cost_model) || { echo "bubbles: no profile"; return 0; }
+  if [ -n "$DRY" ]; then
+    budget='<suggested_time_budget_s>'
+  else
+    budget=$(python3 -c "import json, sys; print(round(json.load(open(sys.argv[1]))['suggested_time_budget_s'], 5))" "$cm")
+  fi
+  echo "time budget $budget s (pipeserve profile's suggestion, $cm)"
+  local time="scheduler=sarathi scheduler.max_num_batched_tokens=4096 scheduler.cost_model_path=$cm scheduler.time_budget_s=$budget"
+  for i in 1 2; do  # the pairs alternate, so a drift of the machine touches both
+    for g in 3 2; do
+      bench "bubbles-time-g$g-$i" 150 0,1 $load parallel.decode_groups=$g $time
+      gaps "bubbles-time-g$g-$i"
+    done
+    if [ "$i" = 1 ]; then
+      bench bubbles-orca 150 0,1 $load parallel.decode_groups=2 scheduler=orca
+      gaps bubbles-orca
+    fi
+  done
+}
+
+gaps() {  # where a run's idle time went (tools.pipeline_gaps; CPU only), beside its log
+  [ -n "$DRY" ] || [ -f "$DIR/$1/trace.json" ] || return 0
+  tool "$1.gaps" 60 "" pipeline_gaps "$DIR/$1" >/dev/null
+}
+
+roofline() {  # ~2 min
+  tool roofline 300 0 roofline $TOK_TOOL --profile --out "$DIR/roofline.json"
+}
+
+profile() {  # ~2-3 min, once per card
+  local cm
+  cm=$(cost_model) && [ -z "$DRY" ] && cp "$cm" "$DIR/cost_model.json"
+}
+
+TABLES=$(mktemp)
+for SCENARIO in "$@"; do
+  DIR=$BASE/$(echo "$LABEL" | tr -c 'A-Za-z0-9._\n-' '_')/$SCENARIO
+  mkdir -p "$DIR"
+  echo "== $SCENARIO · tree $LABEL ($ROOT) · $NGPU × $CARD"
+  "$SCENARIO"
+  [ -n "$DRY" ] && continue
+  { echo; echo "### $SCENARIO · tree $LABEL · $CARD"
+    python3 "$REPO/benchmarks/summarize.py" "$SCENARIO" "$DIR" --label "$LABEL" --card "$CARD" --json "$OUT/results.json"
+  } | tee -a "$TABLES"
+done
+[ -n "$DRY" ] && exit 0
+cat "$TABLES" >>"$OUT/summary.md"
+tar -czf "$OUT/logs.tar.gz" -C "$BASE" --exclude=llama3-8b --exclude=trace.json --exclude='*.png' . 2>/dev/null
+echo; echo "==== $(date -u +%FT%TZ) · tree $LABEL · $NGPU × $CARD"; cat "$TABLES"; rm -f "$TABLES"

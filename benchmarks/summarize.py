@@ -1,0 +1,225 @@
+"""The table of one benchmarks/gpu.sh scenario, from the files its runs left in their folder.
+
+Standard library only: it reads what any pipeserve tree writes (bench's result.json, bench_peers'
+and roofline's --out JSON), so the same script summarizes a run of an older tree.
+
+    python3 benchmarks/summarize.py SCENARIO RUN_FOLDER [--label TREE] [--card NAME] [--json results.json]
+
+--json merges the scenario's figures into that file under {label: {scenario: ...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+
+
+def load(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def bench_result(folder: str, name: str) -> dict | None:
+    """A bench run's result.json (rank0/ holds it after a multi-node run)."""
+    return load(os.path.join(folder, name, "result.json")) or load(os.path.join(folder, name, "rank0", "result.json"))
+
+
+def lead_stages(result: dict) -> list[dict]:
+    """One row per pipeline stage: its first tensor-parallel rank."""
+    return [s for s in result.get("stages", []) if s.get("tp_rank", 0) == 0]
+
+
+def pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
+        ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+# ---- bench_peers: peers, prefix, sharegpt --------------------------------------------------------
+
+def peers_tables(folder: str, files: list[str]) -> tuple[list[str], dict]:
+    lines, figures = [], {}
+    for name in files:
+        data = load(os.path.join(folder, name))
+        if data is None:
+            lines.append(f"{name}: no result (see {name.removesuffix('.json')}.log)")
+            continue
+        results = data["results"]
+        base = results.get("pipeserve", {}).get("tokens_per_s")
+        fastgen = results.get("fastgen", {}).get("tokens_per_s")
+        rows, fig = [], {}
+        for system, r in results.items():
+            if "tokens_per_s" not in r:
+                rows.append([system, "failed", "", "", "", ""])
+                fig[system] = {"error": str(r.get("error", ""))[-300:]}
+                continue
+            tps = r["tokens_per_s"]
+            rows.append([system, f"{r['wall_s']:.2f}", f"{tps:,.0f}", f"{base / tps:.2f}" if base else "-",
+                         f"{tps / fastgen:.2f}" if fastgen else "-", pct(r.get("prefill_saved_fraction"))])
+            fig[system] = {k: r[k] for k in ("wall_s", "tokens_per_s", "prefill_saved_fraction") if k in r}
+        args = data.get("args", {})
+        lines += [f"{name.removesuffix('.json')}: {args.get('workload', 'uniform')}, {args.get('num_requests')} requests,"
+                  f" {data.get('total_tokens')} tokens"]
+        lines += table(["system", "wall s", "tokens/s", "pipeserve / system", "system / FastGen", "prefill saved"], rows)
+        figures[name.removesuffix(".json")] = fig
+    return lines, figures
+
+
+def peers(folder: str):
+    return peers_tables(folder, ["peers.json"])
+
+
+def prefix(folder: str):
+    return peers_tables(folder, ["prefix-mooncake.json", "prefix-shared_prefix.json"])
+
+
+def sharegpt(folder: str):
+    return peers_tables(folder, ["sharegpt.json"])
+
+
+# ---- pipeserve bench: scaling, capacity, bubbles -------------------------------------------------
+
+SCALING_WORKLOADS = {"short-out": "256 requests, prompts U[128,2048], 256 out",
+                     "long-out": "128 requests, prompts U[1000,1200], outputs U[1600,1800]"}
+
+
+def scaling(folder: str):
+    rows, figures = [], {}
+    for workload, label in SCALING_WORKLOADS.items():
+        one = None
+        for layout in ("1gpu", "pp2", "tp2"):
+            r = bench_result(folder, f"scaling-{workload}-{layout}")
+            if r is None:
+                rows.append([layout, label, "failed", "", "", ""])
+                continue
+            thr = r["throughput"]
+            one = thr["total_tokens_per_s"] if layout == "1gpu" else one
+            ratio = f"{thr['total_tokens_per_s'] / one:.2f}" if one else "-"
+            rows.append([{"1gpu": "1 GPU", "pp2": "pp=2", "tp2": "tp=2"}[layout], label,
+                         f"{thr['output_tokens_per_s']:,.0f}", f"{thr['total_tokens_per_s']:,.0f}", ratio,
+                         f"{r['tbt_s']['p99'] * 1e3:.0f}" if r["tbt_s"].get("p99") is not None else "-"])
+            figures[f"{workload}-{layout}"] = {"output_tokens_per_s": thr["output_tokens_per_s"],
+                                               "total_tokens_per_s": thr["total_tokens_per_s"],
+                                               "wall_s": thr["wall_s"], "tbt_p99_s": r["tbt_s"].get("p99")}
+    return table(["layout", "workload", "output tok/s", "total tok/s", "total / 1 GPU", "P99 TBT ms"], rows), figures
+
+
+def capacity(folder: str):
+    rows, figures = [], {}
+    for policy in ("sarathi", "vllm"):
+        r = bench_result(folder, f"capacity-{policy}")
+        cap = (r or {}).get("capacity")
+        if not cap:
+            rows.append([policy, "failed", ""])
+            continue
+        probes = "; ".join(f"{p['rate']:.3g} {'✓' if p['meets_slo'] else '✗'} ({ms(p['tbt_p99_s'])},"
+                           f" {p['scheduling_delay_p50_s']:.2f}, {p['throughput_rps']:.2f})" for p in cap["probes"])
+        rows.append([policy, probes, f"{cap['capacity_rps']:.4g} req/s" + ("" if cap["converged"] else " (not converged)")])
+        figures[policy] = {"capacity_rps": cap["capacity_rps"], "converged": cap["converged"], "probes": cap["probes"]}
+    lines = table(["policy", "probes: rate req/s ✓/✗ (P99 TBT ms, P50 delay s, served req/s)", "capacity"], rows)
+    if figures.get("vllm", {}).get("capacity_rps") and "sarathi" in figures:
+        lines.append(f"sarathi / vllm = {figures['sarathi']['capacity_rps'] / figures['vllm']['capacity_rps']:.2f}")
+    return lines, figures
+
+
+def bubble_seconds(result: dict) -> list[float]:
+    """Per stage: wall − busy, the idle time the bubble fraction counts."""
+    return [s["wall_s"] - s["busy_s"] for s in lead_stages(result)]
+
+
+def bubbles(folder: str):
+    rows, figures, idle = [], {}, {}
+    names = sorted((os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(folder, "bubbles-*", "result.json"))),
+                   key=lambda n: ("orca" in n, n))  # the sarathi runs by group, then orca
+    for name in names:
+        r = bench_result(folder, name)
+        stages = lead_stages(r)
+        whole = " / ".join(pct(s["bubble_fraction"]) for s in stages)
+        loaded = " / ".join(pct(s.get("bubble_fraction_loaded")) for s in stages)
+        layers = " / ".join(f"{s['num_layers']:g}" if s.get("num_layers") is not None else "-" for s in stages)
+        rows.append([name.removeprefix("bubbles-"), layers, f"{r['throughput']['total_tokens_per_s']:,.0f}",
+                     f"{r['tbt_s']['p99'] * 1e3:.1f}", f"{whole} ({loaded})"])
+        idle[name] = bubble_seconds(r)
+        figures[name] = {"total_tokens_per_s": r["throughput"]["total_tokens_per_s"], "tbt_p99_s": r["tbt_s"]["p99"],
+                         "bubble_fraction": [s["bubble_fraction"] for s in stages],
+                         "bubble_fraction_loaded": [s.get("bubble_fraction_loaded") for s in stages],
+                         "bubble_s": idle[name]}
+    lines = table(["run", "layers", "tok/s", "P99 TBT ms", "bubble per stage, whole run (while loaded)"], rows)
+    repeats: dict[str, list[list[float]]] = {}
+    for name, fig in figures.items():
+        repeats.setdefault(name.rsplit("-", 1)[0] if name[-1].isdigit() else name, []).append(fig["bubble_fraction"])
+    for group, runs in repeats.items():
+        if len(runs) > 1:
+            means = [sum(col) / len(col) for col in zip(*runs)]
+            lines.append(f"{group.removeprefix('bubbles-')}: mean of {len(runs)} runs "
+                         + " / ".join(pct(m) for m in means))
+    orca = idle.get("bubbles-orca")
+    if orca:
+        for name, secs in idle.items():
+            if name != "bubbles-orca" and all(secs):
+                lines.append(f"orca's bubble time / {name.removeprefix('bubbles-')}'s: "
+                             + " / ".join(f"{o / s:.1f}×" for o, s in zip(orca, secs)))
+    return lines, figures
+
+
+# ---- roofline ------------------------------------------------------------------------------------
+
+def roofline(folder: str):
+    data = load(os.path.join(folder, "roofline.json"))
+    if data is None:
+        return ["roofline: no result (see roofline.log)"], {}
+    rows = []
+    for name, r in data["rows"].items():
+        rows.append([name, f"{r['seconds'] * 1e3:.2f}", f"{r['tflops']:.0f}" if "tflops" in r else "",
+                     pct(r.get("mfu")) if "tflops" in r else "",
+                     f"{r['floor_seconds'] * 1e3:.2f}" if "floor_seconds" in r else "",
+                     f"{r['ratio_to_floor']:.2f}" if "ratio_to_floor" in r else ""])
+    head = f"copy bandwidth {data['copy_bandwidth_Bps'] / 1e9:,.0f} GB/s, peak {data['peak_tflops']} TFLOP/s"
+    return [head] + table(["step", "ms", "TFLOP/s", "MFU", "floor ms", "÷ floor"], rows), data["rows"]
+
+
+def profile(folder: str):
+    data = load(os.path.join(folder, "cost_model.json"))
+    if data is None:
+        return ["profile: no cost model (see profile.log)"], {}
+    err = data["relative_error"]
+    return [f"cost model on {data.get('device')}: " + ", ".join(f"{k}={v:.3g}" for k, v in data["cost_model"].items()),
+            f"fit error: mean {err['mean']:.1%}, max {err['max']:.1%} over {len(data['samples'])} shapes;"
+            f" suggested time budget {data['suggested_time_budget_s'] * 1e3:.2f} ms"], \
+        {k: data[k] for k in ("cost_model", "relative_error", "suggested_time_budget_s")}
+
+
+SCENARIOS = {f.__name__: f for f in (peers, prefix, sharegpt, scaling, capacity, bubbles, roofline, profile)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    p.add_argument("folder")
+    p.add_argument("--label", default="tree")
+    p.add_argument("--card", default=None)
+    p.add_argument("--json", default=None, help="merge the figures into this file")
+    args = p.parse_args(argv)
+    lines, figures = SCENARIOS[args.scenario](args.folder)
+    print("\n".join(lines))
+    if args.json:
+        merged = load(args.json) or {}
+        merged.setdefault(args.label, {})[args.scenario] = {"card": args.card, "figures": figures}
+        with open(args.json, "w") as f:
+            json.dump(merged, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
