@@ -91,8 +91,7 @@ def sharegpt(folder: str):
 
 # ---- pipeserve bench: scaling, capacity, bubbles -------------------------------------------------
 
-SCALING_WORKLOADS = {"short-out": "256 requests, prompts U[128,2048], 256 out",
-                     "long-out": "128 requests, prompts U[1000,1200], outputs U[1600,1800]"}
+SCALING_WORKLOADS = {"short-out": "short outputs", "long-out": "long outputs"}  # as BENCHMARKS.md names them
 
 
 def scaling(folder: str):
