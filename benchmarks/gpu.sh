@@ -42,7 +42,10 @@ else
   NGPU=$(nvidia-smi -L | wc -l)
   CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 fi
-LABEL=${LABEL:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || basename "$ROOT")}
+if [ -z "${LABEL:-}" ]; then  # a tree's own commit where it is a git checkout, else its folder's name
+  LABEL=$([ -e "$ROOT/.git" ] && git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)
+  [ -n "$LABEL" ] || { [ "$ROOT" = "$REPO" ] && LABEL=this-tree || LABEL=$(basename "$ROOT" | sed "s|^\.||"); }
+fi
 BASE=/tmp/gpu_runs
 MODEL_DIR=$BASE/llama3-8b   # bench_peers' model folder: its random weights are written once, then reused
 
