@@ -98,15 +98,15 @@ def scaling(folder: str):
     rows, figures = [], {}
     for workload, label in SCALING_WORKLOADS.items():
         one = None
-        for layout in ("1gpu", "pp2", "tp2"):
+        for layout, name in (("1gpu", "1 GPU"), ("pp2", "pp=2"), ("tp2", "tp=2")):
             r = bench_result(folder, f"scaling-{workload}-{layout}")
             if r is None:
-                rows.append([layout, label, "failed", "", "", ""])
+                rows.append([name, label, "failed", "", "", ""])
                 continue
             thr = r["throughput"]
             one = thr["total_tokens_per_s"] if layout == "1gpu" else one
             ratio = f"{thr['total_tokens_per_s'] / one:.2f}" if one else "-"
-            rows.append([{"1gpu": "1 GPU", "pp2": "pp=2", "tp2": "tp=2"}[layout], label,
+            rows.append([name, label,
                          f"{thr['output_tokens_per_s']:,.0f}", f"{thr['total_tokens_per_s']:,.0f}", ratio,
                          f"{r['tbt_s']['p99'] * 1e3:.0f}" if r["tbt_s"].get("p99") is not None else "-"])
             figures[f"{workload}-{layout}"] = {"output_tokens_per_s": thr["output_tokens_per_s"],
