@@ -101,7 +101,7 @@ def scaling(folder: str):
         for layout, name in (("1gpu", "1 GPU"), ("pp2", "pp=2"), ("tp2", "tp=2")):
             r = bench_result(folder, f"scaling-{workload}-{layout}")
             if r is None:
-                rows.append([name, label, "failed", "", "", ""])
+                rows.append([name, label, "no result", "", "", ""])
                 continue
             thr = r["throughput"]
             one = thr["total_tokens_per_s"] if layout == "1gpu" else one
@@ -121,7 +121,7 @@ def capacity(folder: str):
         r = bench_result(folder, f"capacity-{policy}")
         cap = (r or {}).get("capacity")
         if not cap:
-            rows.append([policy, "failed", ""])
+            rows.append([policy, "no result", ""])
             continue
         probes = "; ".join(f"{p['rate']:.3g} {'✓' if p['meets_slo'] else '✗'} ({ms(p['tbt_p99_s'])},"
                            f" {p['scheduling_delay_p50_s']:.2f}, {p['throughput_rps']:.2f})" for p in cap["probes"])
