@@ -107,11 +107,18 @@ def stage_ranks(stage: int, tp_size: int) -> list[int]:
     return list(range(stage * tp_size, (stage + 1) * tp_size))
 
 
-def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool = False,
-                           feedback_max_ctas: int | None = None) -> ParallelContext:
+FEEDBACK_MAX_CTAS = 1
+"""NCCL: the CTAs (SMs) each kernel of the token-feedback channel may hold. The first stage posts
+each receive of sampled ids early (``parallel/feedback.py``), and a posted receive holds its CTAs
+until the ids arrive, beside the stage's own compute; the messages are a few hundred bytes.
+Beside an uncapped receive 16 layers of Llama-3-8B's products ran 48% slower, capped at one CTA
+13.5% (H200; ``tools/p2p_interference.py`` measured it)."""
+
+
+def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool = False) -> ParallelContext:
     """The context of this process, creating one TP group per stage (and, with
     ``token_feedback`` and pp_size > 1, the feedback group; on NCCL its kernels hold at most
-    ``feedback_max_ctas`` CTAs, None = NCCL's default).
+    ``FEEDBACK_MAX_CTAS`` CTAs).
 
     torch.distributed must already be initialized with world_size == tp_size * pp_size.
     ``dist.new_group`` is collective over the whole world: every rank calls it for every stage's
@@ -135,7 +142,7 @@ def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool =
     feedback_group = None
     if token_feedback and pp_size > 1:
         ranks = [*stage_ranks(0, tp_size), (pp_size - 1) * tp_size]
-        group = dist.new_group(ranks, pg_options=nccl_options(max_ctas=feedback_max_ctas))
+        group = dist.new_group(ranks, pg_options=nccl_options(max_ctas=FEEDBACK_MAX_CTAS))
         if rank in ranks:
             feedback_group = group
     return ParallelContext(

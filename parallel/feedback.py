@@ -12,8 +12,8 @@ the pipeline instead of stalling it.
 
 Both ends know each message's length from the plans (every rank sees every plan), so only the
 ids travel: one message per micro-batch that samples, in step order, on a communicator of their
-own (``ParallelContext.feedback_group``) so they never queue behind the hidden states (with
-split sampling, below, a split step's messages differ). On CUDA nothing here blocks the host:
+own (``ParallelContext.feedback_group``) so they never queue behind the hidden states. On CUDA
+nothing here blocks the host:
 the receive is ordered before the embedding on the stream.
 
 When a receive is posted matters on CUDA. An NCCL receive is a kernel that holds SMs until its
@@ -30,26 +30,17 @@ pending, and a device-wide synchronization there (the caching allocator's) could
 forever. For the same reason posting never allocates: each receive's buffer comes into being
 when its plan is taken, before that plan's hidden states are sent (a synchronization after the
 send would wait for the next stage, which may itself be waiting for this receive).
-
-With split sampling (``split_head.py``) a greedy decode step's message is the last stage's
-sampled rows and its partial argmax instead of the ids; posting that step's receives also
-queues the first stage's share of the head and the combination, and sends the ids back to the
-driver, which reports them to the engine. Both ends still issue one fixed sequence of messages
-per step, in step order.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeserve.parallel.split_head import SplitStep, partial_max, splits
 from pipeserve.parallel.wire import StepPlan
-from pipeserve.runtime.worker.batch import host_to_device
 
 
 def warm_up(group: dist.ProcessGroup, *, src: int, dsts: list[int], rank: int, device: torch.device) -> None:
@@ -103,13 +94,9 @@ class FeedbackSender:
     pp + 1 kept the oldest is long matched and the wait returns at once (on CUDA it only orders
     the stream)."""
 
-    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2,
-                 split: tuple[torch.Tensor, int] | None = None) -> None:
-        """``split``: split sampling's (this stage's rows [V0, V) of the LM head, V0)."""
-        self.group, self.dsts, self.split = group, dsts, split
-        self.num_split = 0  # split steps sent
-        # (a split step sends two messages: the bound counts steps, not messages)
-        self.max_pending = max(self._MAX_PENDING, pp + 2) * (2 if split is not None else 1)
+    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2) -> None:
+        self.group, self.dsts = group, dsts
+        self.max_pending = max(self._MAX_PENDING, pp + 2)
         self._pending = _SendQueue(self.max_pending)
         self._cuda = False
 
@@ -119,23 +106,6 @@ class FeedbackSender:
         if token_ids.numel() == 0:
             return
         self._send(token_ids)
-
-    def splits(self, plan: StepPlan) -> bool:
-        """Whether this step's sampling is split with the first stage (``split_head.splits``)."""
-        return self.split is not None and splits(plan)
-
-    def send_split(self, rows: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
-        """A split step: sends the sampled rows ([N, H], final-normed) and this stage's partial
-        argmax to the first stage, and posts the receive of the ids it sends back. Returns
-        (the ids' buffer, that receive); on CUDA the receive is ordered after this stage's work
-        so far, and a stream must wait for it before reading the ids."""
-        weight, offset = self.split
-        rows = rows.clone()  # (may view a CUDA graph's output, which the next replay rewrites)
-        self._send(rows)
-        self._send(partial_max(rows, weight, offset))
-        token_ids = torch.empty(rows.shape[0], dtype=torch.int64, device=rows.device)
-        self.num_split += 1
-        return token_ids, dist.irecv(token_ids, src=self.dsts[0], group=self.group)
 
     def _send(self, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
@@ -148,21 +118,6 @@ class FeedbackSender:
         self._pending.drain()
         if self._cuda:  # (an NCCL wait only orders the stream)
             torch.cuda.synchronize()
-
-
-class _Combined:
-    """A split step's ids (``FeedbackReceiver._combine``), waited for like a receive: on CUDA
-    the compute stream waits for the combining stream's event (None: done on return)."""
-
-    def __init__(self, done: torch.cuda.Event | None) -> None:
-        self.done = done
-
-    def wait(self) -> None:
-        if self.done is not None:
-            torch.cuda.current_stream().wait_event(self.done)
-
-    def is_completed(self) -> bool:
-        return self.done is None or self.done.query()
 
 
 class FeedPatch:
@@ -186,39 +141,20 @@ class FeedbackReceiver:
     nobody waited for it (gloo reports a receive completed only once waited for; the driver,
     at most the pipeline depth behind, sent it long ago, so the one wait returns at once)."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1,
-                 split_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1) -> None:
         """``post_lag``: plans queued after a sampling plan before its receive is posted
         (``post_due``); pp − 1, so that the receive waits beside no compute (whatever
-        ``parallel.decode_groups``: posting later would leave the driver's send pending longer).
-        ``split_weight``: split sampling's rows [0, V0) of the LM head ([V0, H], the model's
-        dtype)."""
+        ``parallel.decode_groups``: posting later would leave the driver's send pending longer)."""
         if post_lag < 0:
             raise ValueError(f"post_lag must be >= 0, got {post_lag}")
         self.group, self.src, self.device, self.post_lag = group, src, device, post_lag
-        self.split_weight = split_weight
-        self.num_split = 0  # split steps combined
-        self._sends = _SendQueue(FeedbackSender._MAX_PENDING)  # split steps' ids, back to the driver
         self._last: dict[str, tuple[int, int]] = {}  # request -> (its newest sampling step, row)
-        # (step, its ids' buffer or a split step's buffers, plan index) not posted yet. Buffers
-        # are allocated when the plan is taken, before its hidden states are sent: an allocation
-        # may synchronize the device (the caching allocator freeing memory), which after that send
-        # would wait for the next stage to receive it, and the driver may itself be in such a
-        # wait for this receive.
-        self._expected: deque[tuple[int, torch.Tensor | SplitStep, int]] = deque()
-        self._received: dict[int, tuple[dist.Work | _Combined, torch.Tensor]] = {}
-        # Split steps combine on a stream of their own (CUDA): posting one, which waits for the
-        # driver's rows, then never holds back a forward queued after it on the compute stream.
-        # Their scratch buffers live until that stream is done with them (``_combining``).
-        self._stream = torch.cuda.Stream(device) if split_weight is not None and device.type == "cuda" else None
-        self._combining: deque[tuple[torch.cuda.Event, SplitStep]] = deque()
-        if self._stream is not None:  # the combination's first scratch, before any send is pending
-            with torch.inference_mode(), torch.cuda.stream(self._stream):
-                warm = SplitStep(8, split_weight.shape[1], split_weight.shape[0], split_weight.dtype, device)
-                warm.rows.zero_()
-                warm.partial.zero_()
-                warm.combine(split_weight)
-            self._stream.synchronize()
+        # (step, its ids' buffer, plan index) not posted yet. Buffers are allocated when the plan
+        # is taken, before its hidden states are sent: an allocation may synchronize the device
+        # (the caching allocator freeing memory), which after that send would wait for the next
+        # stage to receive it, and the driver may itself be in such a wait for this receive.
+        self._expected: deque[tuple[int, torch.Tensor, int]] = deque()
+        self._received: dict[int, tuple[dist.Work, torch.Tensor]] = {}
         self._waited: set[int] = set()
         self._num_plans = 0
 
@@ -249,11 +185,7 @@ class FeedbackReceiver:
                 self._last[s.request_id] = (plan.step_id, num_sampled)
                 num_sampled += 1
         if num_sampled:
-            if self.split_weight is not None and splits(plan):
-                w = self.split_weight
-                buffer = SplitStep(num_sampled, w.shape[1], w.shape[0], w.dtype, self.device)
-            else:
-                buffer = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+            buffer = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
             self._expected.append((plan.step_id, buffer, self._num_plans))
         self._num_plans += 1
         if self._num_plans % self._PRUNE_EVERY == 0:
@@ -264,13 +196,6 @@ class FeedbackReceiver:
     def unposted(self) -> bool:
         """Whether some sampling plan's receive is not posted yet."""
         return bool(self._expected)
-
-    @property
-    def unposted_split_only(self) -> bool:
-        """Whether every receive not posted yet is a split step's. Posting one while idle is
-        only a safety net (the engine asks with ``PostFeedback`` when it waits for one): done
-        early, its receives would wait beside the next plan's forward."""
-        return all(isinstance(buffer, SplitStep) for _, buffer, _ in self._expected)
 
     def post_due(self) -> None:
         """Posts the receives that are due: those of sampling plans taken ``post_lag`` or more
@@ -297,7 +222,8 @@ class FeedbackReceiver:
             if step not in self._waited:  # CUDA: the stream waits; gloo: the host
                 work.wait()
                 self._waited.add(step)
-            index = host_to_device(np.array(index, dtype=np.int64), torch.int64, self.device)
+            index = torch.as_tensor(np.array(index, dtype=np.int64))
+            index = (index.pin_memory() if self.device.type == "cuda" else index).to(self.device, non_blocking=True)
             parts.append((tokens, index))
         return FeedPatch(parts)
 
@@ -305,39 +231,7 @@ class FeedbackReceiver:
         """Posts the receives of every sampling step up to ``step_id``, in order."""
         while self._expected and self._expected[0][0] <= step_id:
             step, buffer, _ = self._expected.popleft()  # (no allocation here: see __init__)
-            if isinstance(buffer, SplitStep):
-                self._received[step] = (self._combine(buffer), buffer.token_ids)
-                while self._combining and self._combining[0][0].query():
-                    self._combining.popleft()
-            else:
-                self._received[step] = (dist.irecv(buffer, src=self.src, group=self.group), buffer)
-
-    @torch.inference_mode()  # (the buffers are the worker's inference tensors; post() runs outside it)
-    def _combine(self, step: SplitStep) -> _Combined:
-        """A split step: receives the driver's rows and partial, queues this stage's share of
-        the head and the combination, sends the ids back to the driver. On CUDA all of it runs
-        on this receiver's stream, after the compute stream's work queued so far (so that the
-        receives wait beside no compute); the compute stream waits for it only where a plan is
-        fed from the step (``_patch``). On gloo it is done on return."""
-        stream = self._stream
-        queued = None
-        if stream is not None:
-            queued = torch.cuda.Event()
-            queued.record()  # (on the compute stream)
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if queued is not None:
-                stream.wait_event(queued)
-            for work in [dist.irecv(t, src=self.src, group=self.group) for t in (step.rows, step.partial)]:
-                work.wait()  # CUDA: this stream waits; gloo: the host
-            token_ids = step.combine(self.split_weight)
-            self._sends.add([dist.isend(token_ids, dst=self.src, group=self.group)], token_ids)
-            done = None
-            if stream is not None:
-                done = torch.cuda.Event()
-                done.record()
-                self._combining.append((done, step))
-        self.num_split += 1
-        return _Combined(done)
+            self._received[step] = (dist.irecv(buffer, src=self.src, group=self.group), buffer)
 
     def _prune(self, newest: int) -> None:
         """Drops received ids that no request can be fed from any more."""
@@ -360,8 +254,6 @@ class FeedbackReceiver:
         for step, (work, _) in self._received.items():
             if step not in self._waited:  # never twice: a gloo receive's second wait blocks
                 work.wait()
-        self._sends.drain()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._combining.clear()
         self._received.clear()

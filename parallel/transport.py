@@ -41,7 +41,6 @@ from pipeserve.parallel.wire import (
     Heartbeat,
     Hello,
     Message,
-    PostFeedback,
     Ready,
     Shutdown,
     StageBusy,
@@ -266,8 +265,8 @@ class EngineChannel:
             self.stage_busy_s[msg.stage_busy.stage] = msg.stage_busy.busy_s
         return msg
 
-    def send_plan(self, plan: StepPlan | Shutdown | PostFeedback) -> None:
-        """Publish one plan (or a ``Shutdown``, a ``PostFeedback``) to every worker."""
+    def send_plan(self, plan: StepPlan | Shutdown) -> None:
+        """Publish one plan (or a ``Shutdown``) to every worker."""
         self._publish([_PLAN_TOPIC, encode(plan)], "publish plan")
         self.tick()
 
@@ -429,15 +428,15 @@ class WorkerChannel:
         self._engine_seen = time.monotonic()
         return decode(payload)
 
-    def recv_plan(self, timeout_s: float) -> StepPlan | Shutdown | PostFeedback | None:
-        """Next plan, ``Shutdown`` or ``PostFeedback`` from the engine, or ``None`` after ``timeout_s``."""
+    def recv_plan(self, timeout_s: float) -> StepPlan | Shutdown | None:
+        """Next plan or ``Shutdown`` from the engine, or ``None`` after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             remaining = deadline - time.monotonic()
             if not _poll(self._sub, remaining):
                 return None
             msg = self._read()
-            if isinstance(msg, (StepPlan, Shutdown, PostFeedback)):
+            if isinstance(msg, (StepPlan, Shutdown)):
                 return msg
             # Late Ready copies (published until the last worker said Hello) are skipped.
 

@@ -8,7 +8,7 @@ frontend, ``StreamUpdates`` (per-step deltas) and ``EngineStats`` (see ``Fronten
 
 Top-level messages are msgpack maps tagged by a ``type`` field and carry ``version``, so a peer
 built from another revision is rejected with a clear ``WireError`` instead of being
-misread. The per-sequence entries of a plan (``SeqPlan``, ``SamplingSpec``) are msgpack arrays:
+misread. The per-sequence entries of a plan (``SeqPlan``, ``SamplingParams``) are msgpack arrays:
 a plan carries hundreds of them and field names would dominate its size.
 
 Block tables travel as diffs: ``BlockTableDiffer`` (engine) sends a request's full table the
@@ -19,13 +19,14 @@ full table from them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Union
+from typing import Union
 
 import msgspec
 
-WIRE_VERSION = 3
-"""Bumped on every incompatible change of any message below (2: stage busy time on
-``Heartbeat``, cumulative stage counters in ``EngineStats``; 3: ``PostFeedback``)."""
+from pipeserve.scheduler.sampling_params import SamplingParams
+
+WIRE_VERSION = 4
+"""Bumped on every incompatible change of any message below."""
 
 ENGINE_RANK = -1
 """``Heartbeat.rank`` of heartbeats that the engine publishes to the workers."""
@@ -39,19 +40,6 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=
     # Sent explicitly on every message (the encoder never omits defaults), so a decoder of
     # another version sees the sender's number rather than its own default.
     version: int = WIRE_VERSION
-
-
-class SamplingSpec(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """Sampling parameters the last stage needs (a validated ``SamplingParams``, flattened)."""
-
-    temperature: float
-    top_p: float
-    top_k: int
-    min_p: float
-    seed: int | None
-    logprobs: int | None
-    min_tokens: int = 0
-    stop_token_ids: list[int] = []
 
 
 class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -72,7 +60,7 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     block_table_diff: list[int] | None = None
     block_table: list[int] | None = None
     needs_sample: bool
-    sampling: SamplingSpec | None
+    sampling: SamplingParams | None
     num_output_tokens: int = 0  # so the sampler can hold EOS back until min_tokens
     feed_step: int = -1
 
@@ -128,7 +116,7 @@ class StepResult(_Message, frozen=True, kw_only=True):
     """Last stage (TP rank 0) → engine: one sampled token per sampled request of a step.
 
     ``logprobs[i]`` maps token id → logprob for ``request_ids[i]`` (the sampled token and the
-    top ``SamplingSpec.logprobs``); ``None`` when no request asked for logprobs.
+    top ``SamplingParams.logprobs``); ``None`` when no request asked for logprobs.
     """
 
     step_id: int
@@ -171,16 +159,6 @@ class Shutdown(_Message, frozen=True, kw_only=True):
     reason: str
 
 
-class PostFeedback(_Message, frozen=True, kw_only=True):
-    """Engine → workers: the engine waits for step ``step_id``'s result and fewer than pp − 1
-    plans follow it, so the first stage posts its held-back feedback receives now instead of
-    after the plans it would wait for (split sampling: that step's ids need the first stage's
-    share of the LM head before the driver can report them; ``parallel/split_head.py``). Other
-    ranks ignore it."""
-
-    step_id: int
-
-
 class WorkerError(_Message, frozen=True, kw_only=True):
     """Worker → engine: this rank failed and is exiting."""
 
@@ -191,12 +169,12 @@ class WorkerError(_Message, frozen=True, kw_only=True):
 class AddRequest(_Message, frozen=True, kw_only=True):
     """Client (offline LLM, HTTP frontend) → engine: one sequence to generate.
 
-    ``params`` holds ``SamplingParams`` fields by name; the engine validates them again."""
+    ``params`` is validated when decoded (``SamplingParams.__post_init__``)."""
 
     request_id: str
     prompt_token_ids: list[int]
     prompt: str | None = None
-    params: dict[str, Any] = {}
+    params: SamplingParams = SamplingParams()
     stream: bool = False
     """Send a ``StreamDelta`` after every step that adds output (in a ``StreamUpdates``);
     otherwise one ``RequestUpdate`` when the request ends."""
@@ -274,7 +252,7 @@ class EngineStats(_Message, frozen=True, kw_only=True):
 
 
 Message = Union[
-    Hello, Ready, StepPlan, StepResult, Heartbeat, Shutdown, PostFeedback, WorkerError,
+    Hello, Ready, StepPlan, StepResult, Heartbeat, Shutdown, WorkerError,
     AddRequest, AbortRequest, RequestUpdate,
 ]
 

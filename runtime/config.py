@@ -47,26 +47,11 @@ class ParallelConfig:
     between tokens grows by groups/pp in steps (more requests share each micro-batch). Must be
     >= pp, and below ``num_microbatches_in_flight`` (default groups + 1). While fewer requests
     decode than fill the groups, the scheduler uses as many groups as they fill, at least pp
-    (``SchedulerConfig.min_feedback_distance``). Measured at pp=2 on 2 × H100 (Llama-3-8B shape,
+    (``SchedulerLimits.min_feedback_distance``). Measured at pp=2 on 2 × H100 (Llama-3-8B shape,
     arXiv at 8 req/s, time budget, half layers; BENCHMARKS.md, eleventh session, call rate4,
     before the review's changes): three groups 1.2% / 3.0% bubbles against 6.0% / 8.8% with two
     in an earlier call, P99 TBT 21 ms. Off (pp) by default until repeated at the landed code and
     run through the GPU tests (``.ci/gpu_multi rate5``)."""
-    feedback_max_ctas: int | None = 1
-    """NCCL: the CTAs (SMs) each kernel of the token-feedback channel may hold. The first stage
-    posts each receive of sampled ids early (``parallel/feedback.py``), and a posted receive holds
-    its CTAs until the ids arrive, beside the stage's own compute; the messages are a few hundred
-    bytes. None = NCCL's default. (Its effect on stage time is not yet measured: BENCHMARKS.md,
-    fifth session.)"""
-    split_lm_head: bool = False
-    """With token feedback and tp=1: in decode-only micro-batches of greedy requests the first
-    and the last stage share the LM head's vocabulary (half each) and combine their argmaxes,
-    so the last stage is not slower by the whole head on every decode step
-    (``parallel/split_head.py``). The first stage holds half the head's rows (none extra when
-    the head is tied to the embedding). Never in deterministic mode. Off by default: at pp=2 on
-    2 × H100 (Llama-3-8B shape, a 50k vocabulary) it gave 8.5%/8.1% bubbles against 8.3–8.9% /
-    6.5–7.3% without it in other calls, within the calls' spread (BENCHMARKS.md, eighth
-    session); a same-call comparison is still to be made."""
     stage_layers: list[float] | None = None
     """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers);
     with ``half_layer_stages`` in multiples of 0.5 (e.g. [16.5, 15.5])."""
@@ -89,8 +74,6 @@ class ParallelConfig:
             raise ValueError(f"parallel.tp and parallel.pp must be >= 1, got tp={self.tp} pp={self.pp}")
         if self.num_microbatches_in_flight is not None and self.num_microbatches_in_flight < 1:
             raise ValueError("num_microbatches_in_flight must be >= 1")
-        if self.feedback_max_ctas is not None and self.feedback_max_ctas < 1:
-            raise ValueError(f"feedback_max_ctas must be >= 1 or null, got {self.feedback_max_ctas}")
         if self.stage_layers is not None:
             self._check_stage_layers(self.stage_layers)
         if self.decode_groups is not None:
@@ -134,12 +117,12 @@ class ParallelConfig:
     @property
     def feedback_distance(self) -> int | None:
         """With token feedback, the micro-batches between a request's sampling step and its next
-        decode (``SchedulerConfig.feedback_distance``): the decode groups; None without feedback."""
+        decode (``SchedulerLimits.feedback_distance``): the decode groups; None without feedback."""
         return (self.decode_groups or self.pp) if self.feedback else None
 
     @property
     def scheduler_feedback(self) -> dict[str, int | None]:
-        """``SchedulerConfig``'s token-feedback fields: ``feedback_distance`` (the decode groups)
+        """``SchedulerLimits``' token-feedback fields: ``feedback_distance`` (the decode groups)
         and ``min_feedback_distance`` (pp, the fewest groups the scheduler falls back to)."""
         return {"feedback_distance": self.feedback_distance,
                 "min_feedback_distance": self.pp if self.feedback else None}
@@ -189,10 +172,6 @@ class EngineConfig:
     run by programs of their own, merged after (flash-decoding; ``kernels/paged_decode.py``):
     otherwise a few decodes over long contexts leave most of the GPU idle. Triton kernels only,
     never in deterministic mode. False: one program per sequence and KV head."""
-    cuda_graphs_in_workers: bool = True
-    """Capture in tp/pp workers too (TP all-reduces inside the graphs, pipeline sends outside;
-    greedy outputs identical to eager on 2 × H200 for tp=2 and pp=2). Not in deterministic
-    mode, whose workers stay eager (the capture of its float32 gathers is unverified)."""
     deterministic: bool = False
     """Deterministic, layout-invariant serving: a token's output is the same bits whatever
     else shares its micro-batch and whatever the tp/pp layout (batch-invariant Triton kernels,
@@ -202,8 +181,6 @@ class EngineConfig:
     """Deterministic mode: segments of every row-parallel input, reduced in float32 in one fixed
     tree. Runs compared bit for bit must share it, and each run's tp must divide it (a power of
     two, or equal it): e.g. 2 to match one GPU with tp=2. 0 = this run's tp."""
-    record_steps: bool = False
-    """Keep a record of every micro-batch (what ran, what else was in flight) for analysis."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
@@ -236,13 +213,6 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
-
-    @property
-    def split_sampling(self) -> bool:
-        """The LM head is shared by the first and the last stage (``ParallelConfig.split_lm_head``
-        in effect: token feedback, tp=1, not deterministic)."""
-        p = self.parallel
-        return p.split_lm_head and p.feedback and p.tp == 1 and not self.deterministic
 
     @property
     def effective_reduction_splits(self) -> int:

@@ -1,12 +1,14 @@
 """Pure-Python scheduling for pipeserve: requests, policies, cost model, KV block manager.
 
-Never imports torch, zmq or hydra; every piece is testable in milliseconds.
+Never imports torch, zmq or hydra; every piece is testable in milliseconds. ``SamplingParams``
+(a msgspec struct) lives here, below the wire schema, as the one type from the API to the wire.
 """
 
 from .block_manager import BlockManager
-from .config import SchedulerConfig
+from .config import SchedulerConfig, SchedulerLimits
 from .cost_model import CostModel, Work
 from .request import Request, RequestStatus
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 __all__ = [
@@ -14,9 +16,11 @@ __all__ = [
     "CostModel",
     "Request",
     "RequestStatus",
+    "SamplingParams",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerLimits",
     "SchedulerOutput",
     "Work",
 ]

@@ -1,14 +1,16 @@
 """Per-request sampling settings, with vLLM's names, defaults and meanings.
 
-The object is frozen: derive a changed copy with ``clone(max_tokens=...)``. Values the engine
-learns at run time (the resolved token cap, EOS ids) are passed beside it, never written into it.
+One type from the API to the wire: a msgspec struct, so the offline API, the HTTP server and
+the engine's plans to its workers all carry the same validated object (as vLLM's is). It is
+frozen: derive a changed copy with ``clone(max_tokens=...)``. Values the engine learns at run
+time (the resolved token cap, EOS ids) are passed beside it, never written into it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass
+
+import msgspec
 
 # vLLM's threshold: a temperature below it means greedy decoding.
 _SAMPLING_EPS = 1e-5
@@ -17,8 +19,13 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_LEN = 1024
 
 
-@dataclass(kw_only=True, frozen=True, slots=True)
-class SamplingParams:
+_INT64_MAX = 2**63 - 1
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, array_like=True):
+    """Validated on construction and when decoded from the wire (``ValueError``). Encoded as an
+    array: a plan carries one per sampling sequence, and field names would dominate its size."""
+
     n: int = 1
     """Number of output sequences to generate for the prompt."""
     temperature: float = 1.0
@@ -49,8 +56,8 @@ class SamplingParams:
     """Keep the matched stop string (or stop token's text) at the end of the output text."""
 
     def __post_init__(self) -> None:
-        def _set(name: str, value) -> None:  # the dataclass is frozen
-            object.__setattr__(self, name, value)
+        def _set(name: str, value) -> None:  # the struct is frozen
+            msgspec.structs.force_setattr(self, name, value)
 
         _set("stop", _normalize_stop(self.stop))
         _set("stop_token_ids", _normalize_stop_token_ids(self.stop_token_ids))
@@ -72,8 +79,15 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled), 0 (disabled) or >= 1, got {self.top_k}")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.seed is not None:
-            _require_int("seed", self.seed)
+        if self.seed is not None and not -(2**63) <= _require_int("seed", self.seed) < 2**64:
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
+        if self.top_k > _INT64_MAX:
+            raise ValueError(f"top_k must be <= {_INT64_MAX}, got {self.top_k}")
+        if self.max_tokens is not None and self.max_tokens > _INT64_MAX:
+            raise ValueError(f"max_tokens must be <= {_INT64_MAX}, got {self.max_tokens}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.max_tokens is not None and _require_int("max_tokens", self.max_tokens) < 1:
             raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
         if _require_int("min_tokens", self.min_tokens) < 0:
@@ -92,7 +106,7 @@ class SamplingParams:
 
     def clone(self, **changes) -> SamplingParams:
         """A copy with ``changes`` applied, validated again."""
-        return dataclasses.replace(self, **changes)
+        return msgspec.structs.replace(self, **changes)
 
 
 def _require_int(name: str, value) -> int:
@@ -132,6 +146,6 @@ def _normalize_stop_token_ids(ids) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"stop_token_ids must be a list of ints, got {ids!r}")
     for i in ids:
-        if _require_int("stop_token_ids entries", i) < 0:
-            raise ValueError(f"stop_token_ids must be >= 0, got {i}")
+        if not 0 <= _require_int("stop_token_ids entries", i) <= _INT64_MAX:
+            raise ValueError(f"stop_token_ids must be in [0, {_INT64_MAX}], got {i}")
     return list(ids)

@@ -1,4 +1,6 @@
-"""Executors run the engine's micro-batches: in this process, or on torchrun workers.
+"""Executors run the engine's micro-batches on workers: one in this process, or tp × pp
+torchrun ranks. Both drive the same ``Worker`` (runtime/worker/worker.py) with the same
+``StepPlan``s, so input preparation, CUDA graphs, KV sizing and sampling exist once.
 
 The engine loop is the same for both: ``submit(plan)`` up to ``max_in_flight`` plans, then
 ``result(plan)`` for the oldest. Only token ids (and optional logprobs) come back. Both say how
@@ -14,28 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 
-import torch
-
-from pipeserve.parallel.split_head import splits
 from pipeserve.parallel.transport import EngineChannel, TransportConfig, TransportError
-from pipeserve.parallel.wire import (
-    BlockTableDiffer,
-    PostFeedback,
-    SamplingSpec,
-    SeqPlan,
-    Shutdown,
-    StepPlan,
-    StepResult,
-    WorkerError,
-)
-from pipeserve.runtime.worker.batch import BlockTableArray, StepInputs
-from pipeserve.runtime.worker.model_runner import ModelRunner
-from pipeserve.scheduler.sampling_params import SamplingParams
-from pipeserve.scheduler import SchedulerOutput
-
+from pipeserve.parallel.wire import BlockTableDiffer, SeqPlan, Shutdown, StepPlan, StepResult, WorkerError
+from pipeserve.runtime.worker.worker import STAGE_STATS_DIR_ENV, write_timelines
+from pipeserve.scheduler import SamplingParams, SchedulerOutput
 
 class WorkerFailure(RuntimeError):
     """A worker died, hung or reported an error; the engine cannot go on."""
@@ -43,10 +29,9 @@ class WorkerFailure(RuntimeError):
 
 @dataclass(slots=True)
 class SampleRequest:
-    """What sampling one sequence needs beside its logits."""
+    """What sampling one sequence needs beside its logits (its generator lives on the worker)."""
 
     params: SamplingParams
-    generator: torch.Generator | None
     num_output_tokens: int
 
 
@@ -55,72 +40,107 @@ class Sampled:
     token_ids: dict[str, int]
     logprobs: dict[str, dict[int, float]]
 
+    @classmethod
+    def of(cls, r: StepResult) -> Sampled:
+        logprobs = {}
+        if r.logprobs is not None:
+            logprobs = {rid: lp for rid, lp in zip(r.request_ids, r.logprobs) if lp}
+        return cls(dict(zip(r.request_ids, r.token_ids)), logprobs)
 
-class LocalExecutor:
-    """The model in this process; each plan runs when submitted."""
+
+class PlanBuilder:
+    """The engine-side state of the plans on their way to the workers: block tables travel as
+    diffs (``BlockTableDiffer``), and finished requests are announced in the next plan's
+    ``freed`` so workers drop their mirrors and sampler state."""
+
+    def __init__(self) -> None:
+        self._differ = BlockTableDiffer()
+        self._restarts: dict[str, int] = {}  # request id -> its num_preemptions at its last plan
+        self._freed: list[str] = []
+
+    def build(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> StepPlan:
+        seqs = [self._seq_plan(s, samples.get(s.request_id)) for s in plan.scheduled]
+        step = StepPlan(step_id=plan.step_id, seqs=seqs, freed=self._freed)
+        self._freed = []
+        return step
+
+    def _seq_plan(self, s, sample: SampleRequest | None) -> SeqPlan:
+        start = s.num_computed_tokens
+        if self._restarts.get(s.request_id, 0) != s.request.num_preemptions:
+            # Preempted since its last plan (maybe in an empty plan, never submitted): its new
+            # table may hold its old blocks at other positions, so it must go in full.
+            self._differ.forget(s.request_id)
+            self._restarts[s.request_id] = s.request.num_preemptions
+        full, diff = self._differ.plan_for(s.request_id, s.block_table)
+        return SeqPlan(
+            request_id=s.request_id,
+            num_computed_tokens=start,
+            num_scheduled_tokens=s.num_scheduled_tokens,
+            new_token_ids=s.request.token_ids_between(start, start + s.num_scheduled_tokens),
+            block_table=full,
+            block_table_diff=diff,
+            needs_sample=s.needs_sample,
+            sampling=None if sample is None else sample.params,
+            num_output_tokens=0 if sample is None else sample.num_output_tokens,
+            feed_step=s.feed_step,
+        )
+
+    def free(self, request_id: str) -> None:
+        """The request is finished (or aborted): workers drop its state with the next plan."""
+        self._freed.append(request_id)
+        self._differ.forget(request_id)
+        self._restarts.pop(request_id, None)
+
+
+class InProcessExecutor:
+    """One device: the ``Worker`` a torchrun rank runs, in this process, as a group of one.
+    Each plan runs when submitted."""
 
     max_in_flight = 1
 
-    def __init__(self, runner: ModelRunner, eos_token_ids: tuple[int, ...]) -> None:
-        self.runner = runner
-        self.eos_token_ids = eos_token_ids
-        self._done: dict[int, Sampled] = {}
-        self._busy_s = 0.0
-        self._block_tables = BlockTableArray()
+    def __init__(self, worker) -> None:
+        self.worker = worker
+        self.num_kv_blocks = worker.num_kv_blocks
+        self._plans = PlanBuilder()
+        self._done: dict[int, StepResult] = {}
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
-        t0 = time.perf_counter()
-        step = StepInputs.from_scheduler_output(plan, self._block_tables)
-        ids = [s.request_id for s in plan.scheduled if s.needs_sample]
-        reqs = [samples[rid] for rid in ids]
-        out = self.runner.execute(
-            step,
-            [r.params for r in reqs],
-            [r.generator for r in reqs],
-            num_output_tokens=[r.num_output_tokens for r in reqs],
-            eos_token_ids=self.eos_token_ids,
-        )
-        logprobs = {}
-        if out.logprobs is not None:
-            logprobs = {rid: lp for rid, lp in zip(ids, out.logprobs) if lp is not None}
-        self._done[plan.step_id] = Sampled(dict(zip(ids, out.token_ids.tolist())), logprobs)
-        self._busy_s += time.perf_counter() - t0
+        result = self.worker.execute(self._plans.build(plan, samples))
+        assert isinstance(result, StepResult), "a group of one samples on the host"
+        self._done[plan.step_id] = result
 
     def result(self, plan: SchedulerOutput) -> Sampled:
-        return self._done.pop(plan.step_id)
+        return Sampled.of(self._done.pop(plan.step_id))
 
     def stage_busy_seconds(self) -> list[float]:
-        """The one stage's busy time so far: the time inside submit (input preparation, the
-        forward, sampling, and bringing the sampled ids to the host, which waits for the device
-        with no extra synchronization). Host work between steps is not in it."""
-        return [self._busy_s]
+        """The one stage's compute time so far (the worker's ``BusyTimer``)."""
+        self.worker.busy.poll()
+        return [self.worker.busy.busy_s]
 
     def free(self, request_id: str) -> None:
-        self._block_tables.free(request_id)
+        self._plans.free(request_id)
 
     def idle(self) -> None:
         pass
 
     def close(self) -> None:
-        pass
+        self.worker.shutdown()
+        if out_dir := os.environ.get(STAGE_STATS_DIR_ENV):
+            write_timelines(out_dir, [self.worker.stage_timeline()])
 
 
 class DistributedExecutor:
-    """tp × pp workers under torchrun, driven over ZeroMQ (plans out, results back).
-
-    Block tables travel as diffs; finished requests are announced in the next plan's
-    ``freed`` so workers drop their mirrors and sampler state. A worker that dies, hangs or
-    reports an error raises ``WorkerFailure`` within the liveness timeout.
+    """tp × pp workers under torchrun, driven over ZeroMQ (plans out, results back). A worker
+    that dies, hangs or reports an error raises ``WorkerFailure`` within the liveness timeout.
     """
 
     def __init__(self, *, world_size: int, depth: int, host: str, liveness_timeout_s: float,
-                 launch, handshake_timeout_s: float = 600.0, split_post_lag: int | None = None) -> None:
+                 launch, handshake_timeout_s: float = 600.0) -> None:
         """`launch(plan_endpoint, result_endpoint)` starts the workers and returns a Popen
-        (or None when they are started by someone else, e.g. SPMD under torchrun).
-        ``split_post_lag``: with split sampling, the plans the first stage takes after a step
-        before it posts that step's feedback (pp − 1); None without."""
+        (or None when they are started by someone else, e.g. SPMD under torchrun)."""
         self.max_in_flight = depth
-        self._start_plans(split_post_lag)
+        self._plans = PlanBuilder()
+        self._results: dict[int, StepResult] = {}
         self.channel = EngineChannel(
             TransportConfig(host=host, liveness_timeout_s=liveness_timeout_s,
                             handshake_timeout_s=handshake_timeout_s),
@@ -139,60 +159,10 @@ class DistributedExecutor:
         atexit.register(self.close)  # never leave workers behind a script that forgot close()
         self._closed = False
 
-    def _start_plans(self, split_post_lag: int | None = None) -> None:
-        """The engine-side state of the plans on their way to the workers, empty."""
-        self._differ = BlockTableDiffer()
-        self._restarts: dict[str, int] = {}  # request id -> its num_preemptions at its last plan
-        self._freed: list[str] = []
-        self._results: dict[int, StepResult] = {}
-        self._split_post_lag = split_post_lag
-        self._split_steps: set[int] = set()  # split steps in flight (split sampling)
-        self._submitted: deque[int] = deque()  # steps in flight, oldest first
-        self.num_feedback_posts = 0  # PostFeedback messages sent
-
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
-        seqs = [self._seq_plan(s, samples.get(s.request_id)) for s in plan.scheduled]
-        step = StepPlan(step_id=plan.step_id, seqs=seqs, freed=self._freed)
-        self.channel.send_plan(step)
-        self._freed = []
-        self._submitted.append(plan.step_id)
-        if self._split_post_lag is not None and splits(step):
-            self._split_steps.add(plan.step_id)
-
-    def _seq_plan(self, s, sample: SampleRequest | None) -> SeqPlan:
-        start = s.num_computed_tokens
-        if self._restarts.get(s.request_id, 0) != s.request.num_preemptions:
-            # Preempted since its last plan (maybe in an empty plan, never submitted): its new
-            # table may hold its old blocks at other positions, so it must go in full.
-            self._differ.forget(s.request_id)
-            self._restarts[s.request_id] = s.request.num_preemptions
-        full, diff = self._differ.plan_for(s.request_id, s.block_table)
-        return SeqPlan(
-            request_id=s.request_id,
-            num_computed_tokens=start,
-            num_scheduled_tokens=s.num_scheduled_tokens,
-            new_token_ids=s.request.token_ids_between(start, start + s.num_scheduled_tokens),
-            block_table=full,
-            block_table_diff=diff,
-            needs_sample=s.needs_sample,
-            sampling=None if sample is None else _spec(sample.params),
-            num_output_tokens=0 if sample is None else sample.num_output_tokens,
-            feed_step=s.feed_step,
-        )
+        self.channel.send_plan(self._plans.build(plan, samples))
 
     def result(self, plan: SchedulerOutput) -> Sampled:
-        while self._submitted and self._submitted[0] < plan.step_id:  # (plans dropped by a failure)
-            self._split_steps.discard(self._submitted.popleft())
-        later = len(self._submitted) - 1  # plans submitted after this, the oldest in flight
-        if self._submitted:
-            self._submitted.popleft()
-        if plan.step_id in self._split_steps:
-            self._split_steps.discard(plan.step_id)
-            # Its ids need the first stage, which posts the step only after pp - 1 later plans:
-            # with fewer in flight (nothing else to run) it would wait its idle timeout first.
-            if later < self._split_post_lag:
-                self.channel.send_plan(PostFeedback(step_id=plan.step_id))
-                self.num_feedback_posts += 1
         while plan.step_id not in self._results:
             msg = self.channel.recv(timeout_s=0.5)
             if msg is None:
@@ -204,10 +174,7 @@ class DistributedExecutor:
         r = self._results.pop(plan.step_id)
         if r.error:
             raise WorkerFailure(f"step {r.step_id} failed on the last stage: {r.error}")
-        logprobs = {}
-        if r.logprobs is not None:
-            logprobs = {rid: lp for rid, lp in zip(r.request_ids, r.logprobs) if lp}
-        return Sampled(dict(zip(r.request_ids, r.token_ids)), logprobs)
+        return Sampled.of(r)
 
     def stage_busy_seconds(self) -> list[float]:
         """Per stage, its compute time so far, as its TP rank 0 last reported it (on every
@@ -216,10 +183,7 @@ class DistributedExecutor:
         return [busy.get(stage, 0.0) for stage in range(self.num_stages)]
 
     def free(self, request_id: str) -> None:
-        """The request is finished (or aborted): workers drop its state with the next plan."""
-        self._freed.append(request_id)
-        self._differ.forget(request_id)
-        self._restarts.pop(request_id, None)
+        self._plans.free(request_id)
 
     def idle(self) -> None:
         """Called by an idle engine loop: keeps the engine heartbeat going, checks workers."""
@@ -251,22 +215,6 @@ class DistributedExecutor:
         if self.proc is not None:
             _reap(self.proc, grace_s=15.0)
         self.channel.close()
-
-
-def _spec(p: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=p.seed,
-        logprobs=p.logprobs, min_tokens=p.min_tokens, stop_token_ids=list(p.stop_token_ids),
-    )
-
-
-def spec_to_params(spec: SamplingSpec) -> SamplingParams:
-    """The worker-side SamplingParams of a wire spec (only the fields sampling reads)."""
-    return SamplingParams(
-        temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k, min_p=spec.min_p,
-        seed=spec.seed, logprobs=spec.logprobs, min_tokens=spec.min_tokens,
-        stop_token_ids=list(spec.stop_token_ids), max_tokens=None,
-    )
 
 
 def _reap(proc: subprocess.Popen, grace_s: float) -> None:
@@ -302,6 +250,8 @@ def launch_torchrun(world_size: int, env: dict[str, str]):
     def launch(plan_endpoint: str, result_endpoint: str) -> subprocess.Popen:
         full_env = dict(os.environ, **env, PIPESERVE_PLAN_ENDPOINT=plan_endpoint,
                         PIPESERVE_RESULT_ENDPOINT=result_endpoint)
+        # torchrun would set 1 itself, with a banner on every start.
+        full_env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={world_size}", "-m", "pipeserve.runtime.worker.worker"]
         # Own session: the whole worker tree can be signalled (and reaped) as one group.

@@ -84,16 +84,18 @@ class LLM:
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, loaded=None) -> LLM:
-        """An LLM from a full EngineConfig; `loaded` reuses a model already in memory."""
+    def from_config(cls, config: EngineConfig, *, loaded=None, record_steps: bool = False) -> LLM:
+        """An LLM from a full EngineConfig; `loaded` reuses a model already in memory;
+        ``record_steps`` keeps the engine's record of every micro-batch (``step_records``)."""
         llm = cls.__new__(cls)
-        llm.engine = _make_engine(config, loaded)
+        llm.engine = _make_engine(config, loaded, record_steps)
         return llm
 
     @property
     def is_driver(self) -> bool:
-        """False on the torchrun ranks other than 0 in SPMD mode: they only serve as workers
-        (their `LLM(...)` returns once the engine has shut down) and `generate` returns []."""
+        """False on the ranks other than global rank 0 under an outer torchrun: they only serve
+        as workers (their `LLM(...)` returns once the engine has shut down) and `generate`
+        returns []."""
         return self.engine is not None
 
     def close(self) -> None:
@@ -172,7 +174,7 @@ class LLM:
         for i in range(params.n):
             sp = params
             if params.n > 1 and params.seed is not None:
-                sp = params.clone(seed=params.seed + i)
+                sp = params.clone(seed=(params.seed + i) % 2**64)
             rid = self.engine.new_request_id()
             # Only finished outputs are read: the engine need not build one per token.
             self.engine.add_request(rid, prompt, sp, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -193,14 +195,16 @@ class LLM:
         return finished
 
 
-def _make_engine(config: EngineConfig, loaded=None):
-    """In-process engine; or, under torchrun with tp × pp > 1, this rank's part of an SPMD run
-    (an engine client on rank 0, None elsewhere)."""
+def _make_engine(config: EngineConfig, loaded=None, record_steps: bool = False):
+    """An engine in this process (its workers: in this process for one device, else a torchrun
+    it starts); or, under an outer torchrun with tp × pp > 1, on every rank but global rank 0,
+    None once this rank has served as a worker until rank 0's engine shut down."""
     from pipeserve.runtime.engine import spmd
 
-    if config.parallel.world_size > 1 and spmd.under_torchrun():
-        return spmd.start(config)
-    return LLMEngine(config, loaded=loaded)
+    if spmd.is_worker_rank(config):
+        spmd.serve_as_worker(config)
+        return None
+    return LLMEngine(config, loaded=loaded, record_steps=record_steps)
 
 
 def _prefix_order(checked, params: list[SamplingParams], *, block_size: int) -> list[int]:

@@ -6,7 +6,6 @@ owns what a request is to the user: its sampling state, its text, its stop condi
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import sys
@@ -16,27 +15,27 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeserve.parallel.context import ParallelContext
 from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.tp_layers import check_reduction_layout
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
-from pipeserve.runtime.worker.cuda_graphs import capture_cuda_graphs
+from pipeserve.runtime.engine import spmd
 from pipeserve.runtime.engine.executor import (
     DistributedExecutor,
-    LocalExecutor,
+    InProcessExecutor,
     SampleRequest,
     WorkerFailure,
     launch_spmd_ranks,
     launch_torchrun,
 )
-from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
-from pipeserve.runtime.worker.model_runner import ModelRunner
 from pipeserve.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
-from pipeserve.runtime.worker.sampler import make_generator
-from pipeserve.scheduler.sampling_params import SamplingParams
 from pipeserve.runtime.engine.stop import check_stop
+from pipeserve.runtime.model.loader import LoadedModel, read_config_and_tokenizer
 from pipeserve.runtime.model.tokenizer import IncrementalDetokenizer
-from pipeserve.scheduler import CostModel, Request, RequestStatus, Scheduler, SchedulerOutput
+from pipeserve.runtime.worker.worker import Worker
+from pipeserve.scheduler import (
+    CostModel, Request, RequestStatus, SamplingParams, Scheduler, SchedulerLimits, SchedulerOutput,
+)
 
 _FINISH_STATUS = {
     "stop": RequestStatus.FINISHED_STOPPED,
@@ -53,7 +52,6 @@ class _RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
-    generator: torch.Generator | None
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -101,22 +99,23 @@ class EngineState:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None, launch=None) -> None:
-        """`loaded` reuses a model already in memory (sweeps and tests build several engines);
-        `launch(plan_endpoint, result_endpoint)` starts tp×pp workers (default: a torchrun)."""
+    def __init__(self, config: EngineConfig, *, loaded: LoadedModel | None = None, launch=None,
+                 record_steps: bool = False) -> None:
+        """One device: the worker runs in this process (``loaded`` reuses a whole model already
+        in memory: sweeps and tests build several engines). tp × pp > 1: ``launch(plan_endpoint,
+        result_endpoint)`` starts the workers (default: a torchrun). ``record_steps``: keep a
+        ``StepRecord`` of every micro-batch (benchmarks)."""
         self.config = config
         device = config.torch_device()
         dtype = config.torch_dtype(device)
         torch.manual_seed(config.seed)
-        if config.parallel.world_size == 1:
-            if loaded is None:
-                loaded = load_model(config.model, dtype=dtype, device=device, load_format=config.load_format)
-            set_kernels(loaded.model, config, device)
-            model_config, self.tokenizer = loaded.config, loaded.tokenizer
+        par = config.parallel
+        if par.world_size == 1:
+            worker = Worker(config, ParallelContext.single(), device, loaded=loaded)
+            model_config, self.tokenizer = worker.model_config, worker.tokenizer
         else:
             model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
         self.model_config = model_config
-        par = config.parallel
         # Every stage's layers, as each worker will plan them: a bad override fails here, before
         # any worker starts.
         self.stage_layers = plan_model_stages(model_config, par.pp, override=par.stage_layers,
@@ -125,27 +124,23 @@ class LLMEngine:
             check_reduction_layout(
                 num_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
                 head_dim=model_config.head_dim, intermediate_size=model_config.intermediate_size,
-                splits=config.effective_reduction_splits, tp_size=config.parallel.tp,
+                splits=config.effective_reduction_splits, tp_size=par.tp,
             )
         eos = tuple(model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
-        if config.parallel.world_size == 1:
-            num_blocks = config.num_kv_blocks or _num_kv_blocks(config, model_config, dtype, device)
-            runner = _local_runner(loaded, config, num_blocks, dtype, device, max_model_len)
-            self.executor = LocalExecutor(runner, eos)
+        if par.world_size == 1:
+            self.executor = InProcessExecutor(worker)
         else:
             self.executor = _distributed_executor(config, launch)
-            num_blocks = self.executor.num_kv_blocks
+        num_blocks = self.executor.num_kv_blocks
         self.state = EngineState(
             device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
             eos_token_ids=eos,
         )
-        sched_config = dataclasses.replace(
-            config.scheduler, max_model_len=max_model_len, **config.parallel.scheduler_feedback,
-        )
+        limits = SchedulerLimits(max_model_len=max_model_len, **par.scheduler_feedback)
         try:
-            self.scheduler = Scheduler(sched_config, num_blocks=num_blocks, block_size=config.block_size,
-                                       cost_model=_cost_model(sched_config, device))
+            self.scheduler = Scheduler(config.scheduler, limits=limits, num_blocks=num_blocks,
+                                       block_size=config.block_size, cost_model=_cost_model(config.scheduler, device))
         except ValueError:
             self.executor.close()
             raise
@@ -153,9 +148,9 @@ class LLMEngine:
         self._unscheduled: set[str] = set()  # requests without first_scheduled_time yet
         self._in_flight: deque[SchedulerOutput] = deque()
         self._ids = itertools.count()
-        self.step_records: list[StepRecord] | None = [] if config.record_steps else None
+        self.step_records: list[StepRecord] | None = [] if record_steps else None
         # With record_steps: step id -> time.monotonic() when its result was back.
-        self.step_done_times: dict[int, float] | None = {} if config.record_steps else None
+        self.step_done_times: dict[int, float] | None = {} if record_steps else None
 
     def close(self) -> None:
         """Stops the workers (if any). The engine is unusable afterwards."""
@@ -196,7 +191,6 @@ class LLMEngine:
             prompt_token_ids=ids,
             params=params,
             max_tokens=max_tokens,
-            generator=make_generator(params.seed, self.state.device),
             detokenizer=IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
             metrics=RequestMetrics(arrival_time=arrival),
             output_kind=output_kind,
@@ -325,7 +319,7 @@ class LLMEngine:
 def _sample_request(st: _RequestState, s) -> SampleRequest:
     # The token sampled after position context_len - 1 is output number context_len - prompt
     # (with token feedback the earlier outputs may still be in flight).
-    return SampleRequest(st.params, st.generator, s.context_len - s.request.num_prompt_tokens)
+    return SampleRequest(st.params, s.context_len - s.request.num_prompt_tokens)
 
 
 def validate_request(
@@ -377,49 +371,16 @@ def _cost_model(config, device: torch.device) -> CostModel | None:
     return CostModel.analytic_default()
 
 
-def _local_runner(
-    loaded: LoadedModel, config: EngineConfig, num_blocks: int, dtype, device, max_model_len: int
-) -> ModelRunner:
-    kv_caches = allocate_kv_cache(
-        loaded.config, num_layers=loaded.config.num_hidden_layers, num_blocks=num_blocks,
-        block_size=config.block_size, dtype=dtype, device=device,
-    )
-    graphs = capture_cuda_graphs(loaded.model, kv_caches, config, max_model_len=max_model_len, device=device)
-    return ModelRunner(loaded.model, kv_caches=kv_caches, block_size=config.block_size, device=device,
-                       cuda_graphs=graphs)
-
-
 def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
+    config = spmd.with_rendezvous_host(config)  # across nodes: reachable from the other nodes
     par = config.parallel
     if launch is None:
         env = {"PIPESERVE_ENGINE_CONFIG": json.dumps(engine_config_to_dict(config))}
-        # Under torchrun (bench/serve, runtime/engine/spmd.py) the ranks are the workers already.
-        launch = launch_spmd_ranks() or launch_torchrun(par.world_size, env)
+        if spmd.under_torchrun():  # the other ranks are the workers already; this one's is a child
+            launch = spmd.launch_rank0_worker(env)
+        else:
+            launch = launch_spmd_ranks() or launch_torchrun(par.world_size, env)
     return DistributedExecutor(
         world_size=par.world_size, depth=par.depth, host=par.bind_host,
         liveness_timeout_s=par.liveness_timeout_s, launch=launch,
-        split_post_lag=par.pp - 1 if config.split_sampling else None,
     )
-
-
-def _num_kv_blocks(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device) -> int:
-    per_block = kv_cache_bytes_per_block(
-        model_config, num_layers=model_config.num_hidden_layers, block_size=config.block_size, dtype=dtype
-    )
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = total * config.gpu_memory_utilization - (total - free)
-        budget -= _activation_bytes(model_config, config.scheduler.max_num_batched_tokens, dtype)
-    else:
-        budget = config.kv_cache_memory_gb * 2**30
-    num_blocks = int(budget // per_block)
-    if num_blocks < 1:
-        raise ValueError("no memory left for the KV cache; lower max_num_batched_tokens or the model size")
-    return num_blocks
-
-
-def _activation_bytes(c, num_tokens: int, dtype: torch.dtype) -> int:
-    """A generous bound on one forward pass's transient memory (the KV pool takes the rest)."""
-    width = 6 * c.hidden_size + 3 * c.intermediate_size + 3 * c.num_attention_heads * c.head_dim
-    logits = num_tokens * c.vocab_size * 4 * 2  # worst case: every row sampled, float32, twice
-    return int(num_tokens * width * dtype.itemsize * 2 + logits + (1 << 30))

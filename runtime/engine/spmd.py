@@ -1,16 +1,14 @@
-"""SPMD under torchrun: every rank runs the same command, one node or several.
+"""Under an outer torchrun (one node or several; Slurm's ``srun torchrun ...``) every rank runs
+the same command. Global rank 0 runs the program itself (``LLM``/``pipeserve generate``, the bench
+harness, or the HTTP frontend and its engine), and its engine starts rank 0's worker as a child
+process (``launch_rank0_worker``) instead of a torchrun of its own; every other rank serves as a
+worker (``serve_as_worker``) until that engine shuts down, then returns.
 
-`start` (offline `LLM`, `pipeserve generate`): rank 0 starts the engine process
-(`runtime.engine_server`) and hands its endpoints to every rank; all ranks then serve as
-workers. Rank 0 runs its worker loop in a thread and talks to the engine as a client
-(`EngineClient`), so `generate` returns results there; the other ranks block in their worker
-loop until the engine shuts down, and their `generate` returns [].
+    rank 0:   program ─ engine ──ZeroMQ──► worker child (rank 0, GPU 0 of its node)
+    rank r:   worker (rank r) ◄──ZeroMQ── the same engine (endpoints from rank 0 over gloo)
 
-`run_beside` (`pipeserve bench` and `pipeserve serve`): rank 0 starts a child process (the bench
-harness or the HTTP frontend) whose engine takes the torchrun ranks as its workers
-(`executor.launch_spmd_ranks`); every rank, rank 0 included, serves as a worker in its main
-thread until that engine shuts down. Benchmarks' per-stage timelines travel to rank 0 over the
-gloo control group, so rank 0's node needs no shared file system to read them.
+The engine stays out of stage 0's process, as everywhere, so scheduling never competes with its
+kernel launches for the GIL.
 """
 
 from __future__ import annotations
@@ -37,7 +35,6 @@ from pipeserve.parallel.context import build_parallel_context
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import AbortRequest, AddRequest, RequestUpdate, Shutdown, decode, encode
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
-from pipeserve.runtime.engine.llm_engine import validate_request, _resolve_max_model_len
 from pipeserve.runtime.engine.executor import SPMD_ENDPOINTS_ENV
 from pipeserve.runtime.model.loader import read_config_and_tokenizer
 from pipeserve.runtime.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
@@ -51,23 +48,6 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def start(config: EngineConfig):
-    """Joins this rank to the run. Returns an EngineClient on rank 0, None elsewhere (after the
-    engine has shut down)."""
-    rank, ctx, device, control = _init(config)
-    config = with_rendezvous_host(config)
-    engine_proc = _start_engine(config) if rank == 0 else None
-    endpoints = _broadcast_json(engine_proc and engine_proc.endpoints, control)
-    worker, channel = _join(config, ctx, device, endpoints)
-    if rank != 0:
-        _serve(worker, channel)
-        dist.destroy_process_group()
-        return None
-    thread = threading.Thread(target=_serve, args=(worker, channel), name="pipeserve-worker0", daemon=True)
-    thread.start()
-    return EngineClient(config, engine_proc, endpoints, worker_thread=thread)
-
-
 def _init(config: EngineConfig, control_timeout: timedelta | None = None):
     """The process groups of this rank: (rank, ParallelContext, device, gloo control group)."""
     world = int(os.environ["WORLD_SIZE"])
@@ -76,8 +56,7 @@ def _init(config: EngineConfig, control_timeout: timedelta | None = None):
                          f"{config.parallel.world_size}")
     device = _device(config, int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback,
-                                 feedback_max_ctas=config.parallel.feedback_max_ctas)
+    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback)
     control = dist.new_group(backend="gloo", timeout=control_timeout)  # every rank, same order
     return int(os.environ["RANK"]), ctx, device, control
 
@@ -101,6 +80,8 @@ def _join(config: EngineConfig, ctx, device, endpoints: dict) -> tuple[Worker, W
 def with_rendezvous_host(config: EngineConfig) -> EngineConfig:
     """Across nodes the engine must be reachable from the other nodes: bind it to the
     rendezvous host's interface (torchrun's MASTER_ADDR) unless parallel.host was set."""
+    if not under_torchrun():
+        return config
     nnodes = int(os.environ["WORLD_SIZE"]) // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     if nnodes <= 1 or config.parallel.host is not None or "MASTER_ADDR" not in os.environ:
         return config
@@ -113,21 +94,6 @@ def _serve(worker: Worker, channel: WorkerChannel) -> None:
         worker.serve(channel)
     finally:
         channel.close()
-
-
-class _EngineProcess:
-    def __init__(self, proc: subprocess.Popen, endpoints: dict) -> None:
-        self.proc, self.endpoints = proc, endpoints
-
-
-def _start_engine(config: EngineConfig) -> _EngineProcess:
-    env = dict(os.environ, PIPESERVE_ENGINE_CONFIG=json.dumps(engine_config_to_dict(config)))
-    proc = subprocess.Popen([sys.executable, "-m", "pipeserve.runtime.serving.engine_server"], env=env,
-                            stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line:
-        raise RuntimeError(f"the engine process exited with code {proc.wait()} before it started")
-    return _EngineProcess(proc, json.loads(line))
 
 
 def _broadcast_json(value: dict | None, group) -> dict:
@@ -318,89 +284,32 @@ def _recv_json(src: int, group):
     return json.loads(buf.numpy().tobytes().decode())
 
 
-class EngineClient:
-    """Rank 0's view of the engine process, with the engine interface `LLM` drives."""
+def is_worker_rank(config: EngineConfig) -> bool:
+    """This process is a torchrun rank other than global rank 0 of a tp × pp > 1 run: it serves
+    as a worker (``serve_as_worker``) instead of running the program."""
+    return config.parallel.world_size > 1 and under_torchrun() and os.environ["RANK"] != "0"
 
-    def __init__(self, config: EngineConfig, engine: _EngineProcess, endpoints: dict, *, worker_thread) -> None:
-        self.config, self._engine, self._thread = config, engine, worker_thread
-        model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
-        self.model_config = model_config
-        self.max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
-        self._zmq = zmq.Context()
-        self._requests = self._zmq.socket(zmq.PUSH)
-        self._requests.connect(endpoints["requests"])
-        self._updates = self._zmq.socket(zmq.PULL)
-        self._updates.connect(endpoints["updates"])
-        self._pending: dict[str, tuple[str | None, list[int]]] = {}
-        self._next_id = 0
-        self._closed = False
 
-    def new_request_id(self) -> str:
-        self._next_id += 1
-        return str(self._next_id - 1)
+def serve_as_worker(config: EngineConfig, *, record: bool = False, ignore_sigterm: bool = False) -> None:
+    """This rank's worker, until rank 0's engine shuts down. ``record``: keep the stage timeline
+    (benchmarks; it reaches rank 0's worker, which writes every rank's). ``ignore_sigterm``: a
+    server's job SIGTERM drains rank 0's frontend while this rank keeps serving."""
+    from pipeserve.runtime.worker.worker import run_worker
 
-    def validate(self, prompt, params: SamplingParams):
-        return validate_request(prompt, params, tokenizer=self.tokenizer,
-                                vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len)
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    run_worker(with_rendezvous_host(config), record=record or None)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt,
-        params: SamplingParams,
-        *,
-        output_kind: RequestOutputKind = RequestOutputKind.FINAL_ONLY,
-    ) -> None:
-        """Queues a request on the engine process; its update comes once, when it ends
-        (``output_kind`` CUMULATIVE, per-token outputs, is not offered here)."""
-        if output_kind is not RequestOutputKind.FINAL_ONLY:
-            raise ValueError("the torchrun engine client returns final outputs only")
-        text, ids, _ = self.validate(prompt, params)
-        fields = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
-        self._requests.send(encode(AddRequest(request_id=request_id, prompt_token_ids=ids, prompt=text,
-                                              params=fields)))
-        self._pending[request_id] = (text, ids)
 
-    def abort_request(self, request_id: str) -> None:
-        self._requests.send(encode(AbortRequest(request_id=request_id)))
+def launch_rank0_worker(env: dict[str, str]):
+    """A launcher for ``DistributedExecutor`` on global rank 0 under an outer torchrun: starts this
+    rank's worker as a child process that joins the process group as rank 0 (it inherits
+    torchrun's environment) and hands the endpoints to the other ranks."""
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self._pending)
+    def launch(plan_endpoint: str, result_endpoint: str) -> subprocess.Popen:
+        full_env = dict(os.environ, **env, PIPESERVE_PLAN_ENDPOINT=plan_endpoint,
+                        PIPESERVE_RESULT_ENDPOINT=result_endpoint, PIPESERVE_WORKER_IGNORE_SIGTERM="1")
+        return subprocess.Popen([sys.executable, "-m", "pipeserve.runtime.worker.worker"], env=full_env,
+                                start_new_session=True)
 
-    def step(self) -> list[RequestOutput]:
-        """Waits for the next finished outputs (bounded: fails if the engine process dies)."""
-        while not self._updates.poll(500):
-            if (code := self._engine.proc.poll()) is not None:
-                self._pending.clear()
-                raise RuntimeError(f"the engine process exited with code {code}")
-        outs = []
-        while self._updates.poll(0):
-            msg = decode(self._updates.recv())
-            if isinstance(msg, RequestUpdate) and msg.request_id in self._pending:
-                outs.append(self._output(msg))
-        return outs
-
-    def _output(self, u: RequestUpdate) -> RequestOutput:
-        text, ids = self._pending.pop(u.request_id)
-        if u.finish_reason == "error":
-            raise RuntimeError(f"request {u.request_id} failed: {u.error}")
-        c = CompletionOutput(index=0, text=u.text, token_ids=list(u.token_ids), finish_reason=u.finish_reason,
-                             logprobs=u.logprobs, stop_reason=u.stop_reason)
-        return RequestOutput(request_id=u.request_id, prompt=text, prompt_token_ids=ids, outputs=[c],
-                             finished=True)
-
-    def close(self) -> None:
-        """Stops the engine; it shuts the workers down (rank 0's loop included)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._requests.send(encode(Shutdown(reason="LLM closed")))
-        try:
-            self._engine.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._engine.proc.kill()
-        self._thread.join(timeout=30)
-        self._requests.close(linger=0)
-        self._updates.close(linger=0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    return launch

@@ -246,21 +246,6 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
-class HeadRows(nn.Module):
-    """LM head rows [0, rows) of a ``vocab_size``-row head (the first stage's share, split
-    sampling); loads its rows of ``lm_head.weight`` (or of the embedding, when the checkpoint
-    has no head)."""
-
-    def __init__(self, rows: int, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
-        self.vocab_size = vocab_size
-
-    def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
-        check_shape(loaded, (self.vocab_size, param.shape[1]))
-        param.data.copy_(read_rows(loaded, range(param.shape[0])))
-
-
 class LlamaForCausalLM(nn.Module):
     """Decoder layers [start_layer, end_layer) of a Llama-family model (one pipeline stage).
 
@@ -269,8 +254,6 @@ class LlamaForCausalLM(nn.Module):
     boundary inside a layer, ``parallel.stage_plan.StageLayers``). Holds ``embed_tokens`` only
     when it begins at layer 0's attention, and ``norm`` + ``lm_head`` only when it ends with
     the last layer's MLP.
-    ``head_rows`` > 0 gives a first stage that is not also the last the LM head's vocab rows
-    [0, head_rows) (``head_share_weight``; split sampling, ``parallel/split_head.py``).
     ``parallel`` (default: one process) gives the TP rank whose shard of every layer this
     module holds; ``num_local_kv_heads`` is the KV heads per layer on this rank, the head count
     of its KV cache. ``ops`` (``pipeserve.kernels``; default the torch references, replaced
@@ -284,7 +267,6 @@ class LlamaForCausalLM(nn.Module):
         start_layer: int = 0,
         end_layer: int | None = None,
         parallel: ParallelContext | None = None,
-        head_rows: int = 0,
         first_mlp_only: bool = False,
         last_attention_only: bool = False,
     ) -> None:
@@ -323,20 +305,14 @@ class LlamaForCausalLM(nn.Module):
         )
         # Layers whose attention this stage runs: one KV cache each (checked on every forward).
         self.num_attention_layers = sum(layer.self_attn is not None for layer in self.layers)
+        # Layers this stage holds, a half layer (attention or MLP alone) counting half.
+        self.num_layers = sum(((layer.self_attn is not None) + (layer.mlp is not None)) / 2 for layer in self.layers)
         self.norm = self.lm_head = None
         if end_layer == num_layers and not last_attention_only:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel)
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
-        # The first stage's LM head rows (split sampling). Loaded by the last stage's rule
-        # (lm_head.weight, else the embedding), tied or not, so the two halves are one head.
-        self.head_share = None
-        if head_rows > 0 and self.embed_tokens is not None and self.lm_head is None:
-            if parallel.tp_size != 1 or not 0 < head_rows < config.vocab_size:
-                raise ValueError(f"a head share needs tp=1 and 0 < head_rows < {config.vocab_size}, got "
-                                 f"tp={parallel.tp_size}, head_rows={head_rows}")
-            self.head_share = HeadRows(head_rows, config.vocab_size, config.hidden_size)
 
     def forward(
         self,
@@ -388,11 +364,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "set_numerics"):
                 module.set_numerics(numerics)
-
-    @property
-    def head_share_weight(self) -> torch.Tensor | None:
-        """[head_rows, H]: the first stage's rows of the LM head; None without a share."""
-        return None if self.head_share is None else self.head_share.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,
@@ -451,8 +422,6 @@ class LlamaForCausalLM(nn.Module):
             names.add("model.norm.weight")
             if self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight:
                 names.add("lm_head.weight")
-        if self.head_share is not None:
-            names.add("lm_head.weight")
         for i, layer in enumerate(self.layers, start=self.start_layer):
             prefix = f"model.layers.{i}."
             if layer.self_attn is not None:
@@ -469,17 +438,14 @@ class LlamaForCausalLM(nn.Module):
 
     def _head_reads_embedding(self) -> bool:
         """The embedding is copied into a separate lm_head (tied across stages, or a
-        checkpoint without lm_head.weight: a later lm_head.weight overwrites it); also the
-        first stage's head share."""
+        checkpoint without lm_head.weight: a later lm_head.weight overwrites it)."""
         if self.lm_head is None:
-            return self.head_share is not None
+            return False
         return self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight
 
     def _target(self, hf_name: str) -> tuple[str, Any] | None:
         """(our parameter name, its part of a fused projection or None) for an HF name; None
         when this stage does not hold it. Unknown names map to a name absent from the module."""
-        if hf_name == "lm_head.weight" and self.head_share is not None:
-            return "head_share.weight", None
         if hf_name == "lm_head.weight" or hf_name.startswith("model.norm."):
             return None if self.lm_head is None else (hf_name.removeprefix("model."), None)
         if hf_name.startswith("model.embed_tokens."):

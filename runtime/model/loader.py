@@ -51,13 +51,11 @@ def load_model(
     end_layer: int | None = None,
     load_format: str = "auto",
     parallel: ParallelContext | None = None,
-    head_rows: int = 0,
     first_mlp_only: bool = False,
     last_attention_only: bool = False,
 ) -> LoadedModel:
     """Layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
-    process), reading only that slice of the checkpoint; on a first stage, ``head_rows`` of
-    the LM head too (split sampling, ``parallel/split_head.py``). ``first_mlp_only`` /
+    process), reading only that slice of the checkpoint. ``first_mlp_only`` /
     ``last_attention_only``: a stage boundary inside the first / last layer
     (``parallel.stage_plan.StageLayers``)."""
     path = resolve_model_path(model)
@@ -67,7 +65,6 @@ def load_model(
         "start_layer": start_layer,
         "end_layer": end_layer,
         "parallel": parallel,
-        "head_rows": head_rows,
         "first_mlp_only": first_mlp_only,
         "last_attention_only": last_attention_only,
     }

@@ -54,7 +54,6 @@ def load_hf_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
-    head_rows: int = 0,
     first_mlp_only: bool = False,
     last_attention_only: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
@@ -72,7 +71,6 @@ def load_hf_model(
         start_layer=start_layer,
         end_layer=end_layer,
         parallel=parallel,
-        head_rows=head_rows,
         first_mlp_only=first_mlp_only,
         last_attention_only=last_attention_only,
     )
@@ -88,22 +86,20 @@ def build_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
-    head_rows: int = 0,
     first_mlp_only: bool = False,
     last_attention_only: bool = False,
 ) -> LlamaForCausalLM:
     """An inference-mode model (no grads, eval) born on ``device`` in ``dtype``, with
     PyTorch's default init; load_weights (or a benchmark's random fill) comes next. The
     global default dtype is restored afterwards; the RoPE tables stay float32. ``parallel``
-    picks the TP shard (default: one process, the whole layers); ``head_rows`` gives a first
-    stage its share of the LM head (split sampling); ``first_mlp_only`` / ``last_attention_only``
-    a stage boundary inside its first / last layer."""
+    picks the TP shard (default: one process, the whole layers); ``first_mlp_only`` /
+    ``last_attention_only`` a stage boundary inside its first / last layer."""
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             model = LlamaForCausalLM(
-                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel, head_rows=head_rows,
+                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel,
                 first_mlp_only=first_mlp_only, last_attention_only=last_attention_only,
             )
     finally:

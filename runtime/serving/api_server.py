@@ -161,12 +161,11 @@ class OpenAIServing:
         """Queues n sequences per prompt (seeds offset per sequence, as the offline LLM does)."""
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         job = _Job(response_id, [], asyncio.Queue(), sum(len(p) for p in prompts), params.logprobs)
-        fields = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
         for ids in prompts:
             for j in range(params.n):
-                seq_fields = dict(fields, n=1, seed=None if params.seed is None else params.seed + j)
+                seq_params = params.clone(n=1, seed=None if params.seed is None else (params.seed + j) % 2**64)
                 rid = f"{response_id}-{len(job.request_ids)}"
-                self.client.add(rid, ids, seq_fields, stream=stream, sink=job.queue, index=len(job.request_ids))
+                self.client.add(rid, ids, seq_params, stream=stream, sink=job.queue, index=len(job.request_ids))
                 job.request_ids.append(rid)
         self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
         self.jobs[response_id] = job

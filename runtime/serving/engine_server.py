@@ -1,25 +1,23 @@
-"""The engine as its own process, serving one client over ZeroMQ.
+"""The engine as its own process, serving the HTTP frontend over ZeroMQ.
 
-    python -m pipeserve.runtime.serving.engine_server            (SPMD: started by rank 0 under torchrun)
-    python -m pipeserve.runtime.serving.engine_server --serve    (started by the HTTP frontend)
+    python -m pipeserve.runtime.serving.engine_server     (started by the HTTP frontend)
 
-It binds two sockets on the configured host (requests in: PULL; updates out: PUSH), prints
-one JSON line with every endpoint the workers and the client need, then loops: take requests
-and aborts → step → send outputs. Under SPMD the torchrun ranks are the workers (the line is
-printed before the handshake, for rank 0 to hand on); with ``--serve`` the engine starts its
-own torchrun workers when tp × pp > 1, and prints the line once it is ready to serve, with
-what the frontend needs to validate requests (max_model_len, vocab size, KV blocks).
+It binds two loopback sockets (requests in: PULL; updates out: PUSH), builds the engine (which
+starts its workers: in this process for one device, else a torchrun, or under an outer torchrun
+rank 0's worker), prints one JSON line once it is ready to serve, with its endpoints and what
+the frontend needs to validate requests (max_model_len, vocab size, KV blocks), then loops:
+take requests and aborts → step → send outputs.
 
-Keeping the engine out of the frontend's (or rank 0's) process means scheduling never competes
-with HTTP, detokenization or stage 0's kernel launches for the GIL.
+Keeping the engine out of the frontend's process means scheduling never competes with HTTP,
+detokenization or stage 0's kernel launches for the GIL.
 
 Streaming requests (``AddRequest.stream``) get one ``StreamDelta`` per step that adds output,
 all deltas of a step in one ``StreamUpdates``; the others one ``RequestUpdate`` at the end.
-With ``--serve`` the engine also publishes ``EngineStats`` (queue, KV, and per stage its busy
-seconds beside the engine's active seconds, both cumulative, for the frontend's bubble
-fraction) every ``PIPESERVE_STATS_INTERVAL_S`` seconds and whenever it goes idle. SIGTERM drains: new
-requests are refused, running ones finish, then the process exits 0. The engine exits by
-itself when its parent (the frontend or rank 0) dies.
+The engine also publishes ``EngineStats`` (queue, KV, and per stage its busy seconds beside the
+engine's active seconds, both cumulative, for the frontend's bubble fraction) every
+``PIPESERVE_STATS_INTERVAL_S`` seconds and whenever it goes idle. SIGTERM drains: new requests
+are refused, running ones finish, then the process exits 0. The engine exits by itself when its
+parent (the frontend) dies.
 """
 
 from __future__ import annotations
@@ -102,8 +100,7 @@ class _Stream:
 class EngineServer:
     def __init__(self, engine: LLMEngine, requests: zmq.Socket, updates: zmq.Socket, *,
                  stats_interval_s: float | None = None) -> None:
-        """`stats_interval_s`: publish EngineStats that often (None: never, for clients that
-        read only RequestUpdate)."""
+        """`stats_interval_s`: publish EngineStats that often (None: never)."""
         self.engine, self.requests, self.updates = engine, requests, updates
         self.stats_interval_s = stats_interval_s
         self._stop = False
@@ -167,7 +164,7 @@ class EngineServer:
         try:
             if self._draining:
                 raise ValueError("the server is shutting down")
-            params = SamplingParams(**msg.params)
+            params = msg.params
             prompt = msg.prompt if msg.prompt is not None and not msg.prompt_token_ids else msg.prompt_token_ids
             # A non-streaming request is sent once, at the end: the engine need not build the
             # output of every token.
@@ -227,8 +224,7 @@ class EngineServer:
                                          error=message))
 
 
-def main(argv: list[str] | None = None) -> int:
-    serving = "--serve" in (sys.argv[1:] if argv is None else argv)
+def main() -> int:
     config = engine_config_from_dict(json.loads(os.environ["PIPESERVE_ENGINE_CONFIG"]))
     ctx = zmq.Context()
     requests, updates = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -236,29 +232,20 @@ def main(argv: list[str] | None = None) -> int:
         sock.setsockopt(zmq.LINGER, 1000)
     # The frontend bounds what it has in flight; never block the engine loop on a send.
     updates.setsockopt(zmq.SNDHWM, 0)
-    # Its one client (the frontend, or rank 0 under torchrun) runs on this host: loopback, even
-    # where the workers' sockets face the network (parallel.host across nodes).
+    # Its one client (the frontend) runs on this host: loopback, even where the workers'
+    # sockets face the network (parallel.host across nodes).
     host = "tcp://127.0.0.1"
     endpoints = {
         "requests": f"{host}:{requests.bind_to_random_port(host)}",
         "updates": f"{host}:{updates.bind_to_random_port(host)}",
     }
-
-    def announce(plan_endpoint: str, result_endpoint: str) -> None:
-        # Rank 0 reads this line and hands the endpoints to every rank; the workers are the
-        # torchrun ranks themselves, so there is nothing to start here.
-        endpoints.update(plan=plan_endpoint, result=result_endpoint)
-        print(json.dumps(endpoints), flush=True)
-
-    if serving:
-        # Ctrl-C in a terminal reaches the frontend, which drains and then shuts us down.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    engine = LLMEngine(config, launch=None if serving else announce)
+    # Ctrl-C in a terminal reaches the frontend, which drains and then shuts us down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    engine = LLMEngine(config)
     interval = float(os.environ.get("PIPESERVE_STATS_INTERVAL_S", "0.5"))
-    server = EngineServer(engine, requests, updates, stats_interval_s=interval if serving else None)
+    server = EngineServer(engine, requests, updates, stats_interval_s=interval)
     signal.signal(signal.SIGTERM, server.drain)
-    if serving:
-        print(json.dumps(dict(endpoints, **_serving_info(engine))), flush=True)
+    print(json.dumps(dict(endpoints, **_serving_info(engine))), flush=True)
     code = 0
     try:
         server.serve()

@@ -42,6 +42,7 @@ from pipeserve.parallel.wire import (
     encode,
 )
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
+from pipeserve.scheduler import SamplingParams
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ class EngineProcess:
         """Starts loading the model; `wait_ready` blocks until the engine can serve."""
         env = dict(os.environ, PIPESERVE_ENGINE_CONFIG=json.dumps(engine_config_to_dict(config)),
                    PIPESERVE_STATS_INTERVAL_S=str(stats_interval_s))
-        proc = subprocess.Popen([sys.executable, "-m", "pipeserve.runtime.serving.engine_server", "--serve"],
+        proc = subprocess.Popen([sys.executable, "-m", "pipeserve.runtime.serving.engine_server"],
                                 env=env, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
         return cls(proc)
 
@@ -167,7 +168,7 @@ class AsyncEngineClient:
         """Sequences sent to the engine whose last delta has not arrived."""
         return len(self._routes)
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: dict, *, stream: bool,
+    def add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, stream: bool,
             sink: asyncio.Queue, index: int) -> None:
         if self.engine_error is not None:
             raise RuntimeError(self.engine_error)

@@ -1,8 +1,8 @@
 """The host-side description of one micro-batch, and its conversion to model inputs.
 
-`StepInputs` holds plain lists (what a control-plane plan can carry), and, in the engine's own
-process, the padded block tables a `BlockTableArray` keeps across steps; `to_tensors` turns it
-into the packed, padding-free tensors one forward pass takes.
+`StepInputs` holds plain lists (what a control-plane plan carries) and the padded block tables a
+worker's `BlockTableArray` keeps across steps; `to_tensors` turns it into the packed,
+padding-free tensors one forward pass takes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import numpy as np
 import torch
 
 from pipeserve.kernels.attention_metadata import AttentionMetadata
-from pipeserve.scheduler import SchedulerOutput
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,27 +27,6 @@ class StepInputs:
     padded_block_tables: np.ndarray | None = None
     """[S, max blocks] int64, ``block_tables`` padded with 0, where a ``BlockTableArray`` holds
     them already; None: ``to_tensors`` pads ``block_tables`` itself."""
-
-    @classmethod
-    def from_scheduler_output(cls, out: SchedulerOutput, tables: BlockTableArray | None = None) -> StepInputs:
-        """The step's inputs; with ``tables``, the padded block tables come from (and update) it."""
-        scheduled = out.scheduled
-        token_ids: list[int] = []
-        for s in scheduled:
-            start = s.num_computed_tokens
-            token_ids.extend(s.request.token_ids_between(start, start + s.num_scheduled_tokens))
-        step = cls(
-            request_ids=[s.request.request_id for s in scheduled],
-            token_ids=token_ids,
-            query_lens=[s.num_scheduled_tokens for s in scheduled],
-            start_positions=[s.num_computed_tokens for s in scheduled],
-            block_tables=[s.block_table for s in scheduled],
-            needs_sample=[s.needs_sample for s in scheduled],
-        )
-        if tables is not None:
-            restarts = [s.request.num_preemptions for s in scheduled]
-            step.padded_block_tables = tables.gather(step.request_ids, step.block_tables, restarts)
-        return step
 
     @property
     def num_tokens(self) -> int:
@@ -158,28 +136,27 @@ class BlockTableArray:
 
     A step writes only what changed (a table that grew, or the whole table of a new or
     restarted request) and then gathers its rows, instead of converting every block id of every
-    table from Python ints (as the torchrun workers' mirrors are fed diffs). A table only
-    grows while its request lives; a request's ``num_preemptions`` ("restarts") tells a table
-    rebuilt after preemption from one that grew. Call ``free`` when a request finishes.
+    table from Python ints. A table only grows while its request lives, except when it is
+    replaced whole (a plan that carries its full table: a new request, or one restarted after
+    preemption). Call ``free`` when a request finishes.
     """
 
     def __init__(self) -> None:
         self._rows = _RowIds()
         self._array = np.zeros((0, 1), dtype=np.int64)  # [rows, blocks], 0 past each table
         self._num_blocks = np.zeros(0, dtype=np.int64)  # [rows] blocks written
-        self._restarts = np.zeros(0, dtype=np.int64)  # [rows] num_preemptions when written
 
-    def gather(self, request_ids: list[str], block_tables: list[list[int]], restarts: list[int]) -> np.ndarray:
-        """[S, max blocks] int64 (at least one column), each table padded with 0."""
+    def gather(self, request_ids: list[str], block_tables: list[list[int]], replaced: list[bool]) -> np.ndarray:
+        """[S, max blocks] int64 (at least one column), each table padded with 0; ``replaced[i]``:
+        table i is a new one, not the previous one grown."""
         n = len(request_ids)
         rows = np.fromiter(map(self._rows.__getitem__, request_ids), dtype=np.int64, count=n)
         num_blocks = np.fromiter(map(len, block_tables), dtype=np.int64, count=n)
-        restarts_now = np.asarray(restarts, dtype=np.int64)
         width = max(int(num_blocks.max(initial=0)), 1)
         self._reserve(self._rows.num_rows, width)
-        stale = (num_blocks != self._num_blocks[rows]) | (restarts_now != self._restarts[rows])
+        stale = (num_blocks != self._num_blocks[rows]) | np.asarray(replaced, dtype=bool)
         for i in np.flatnonzero(stale).tolist():
-            self._write(int(rows[i]), block_tables[i], restarts[i])
+            self._write(int(rows[i]), block_tables[i], replaced[i])
         return self._array[rows, :width]
 
     def free(self, request_id: str) -> None:
@@ -189,16 +166,14 @@ class BlockTableArray:
             self._rows.free.append(row)
             self._array[row] = 0
             self._num_blocks[row] = 0
-            self._restarts[row] = 0
 
-    def _write(self, row: int, table: list[int], restarts: int) -> None:
+    def _write(self, row: int, table: list[int], replaced: bool) -> None:
         start = int(self._num_blocks[row])
-        if restarts != self._restarts[row] or start > len(table):  # a new table, not a grown one
+        if replaced or start > len(table):  # a new table, not a grown one
             self._array[row] = 0
             start = 0
         self._array[row, start : len(table)] = table[start:]
         self._num_blocks[row] = len(table)
-        self._restarts[row] = restarts
 
     def _reserve(self, num_rows: int, width: int) -> None:
         """Grow the arrays (doubling) to hold ``num_rows`` rows of ``width`` blocks."""
@@ -210,9 +185,7 @@ class BlockTableArray:
         array = np.zeros((new_rows, new_cols), dtype=np.int64)
         array[:rows, :cols] = self._array
         self._array = array
-        grown = np.zeros(new_rows - rows, dtype=np.int64)
-        self._num_blocks = np.concatenate([self._num_blocks, grown])
-        self._restarts = np.concatenate([self._restarts, grown])
+        self._num_blocks = np.concatenate([self._num_blocks, np.zeros(new_rows - rows, dtype=np.int64)])
 
 
 class _RowIds(dict):

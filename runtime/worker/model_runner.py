@@ -1,14 +1,13 @@
-"""Runs one micro-batch on the model: packed inputs in, sampled token ids out."""
+"""One rank's forward of a micro-batch: a step's packed inputs (or a captured graph's padded
+copy of them) through this rank's slice of the model."""
 
 from __future__ import annotations
 
 import torch
 
-from pipeserve.runtime.worker.batch import StepInputs, to_tensors
-from pipeserve.runtime.worker.cuda_graphs import CudaGraphRunner
 from pipeserve.runtime.model.llama import LlamaForCausalLM
-from pipeserve.runtime.worker.sampler import Sampler, SamplerOutput
-from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.worker.batch import ModelInputs, StepInputs, to_tensors
+from pipeserve.runtime.worker.cuda_graphs import CudaGraphRunner, GraphStep
 
 
 class ModelRunner:
@@ -27,32 +26,29 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.cuda_graphs = cuda_graphs
-        self.sampler = Sampler()
+
+    def prepare(self, step: StepInputs) -> GraphStep | ModelInputs:
+        """Host-side inputs: a padded graph step when a captured bucket holds the step (decode
+        or mixed, ``CudaGraphRunner.prepare``), else the packed tensors of an eager forward."""
+        if self.cuda_graphs is not None and (g := self.cuda_graphs.prepare(step)) is not None:
+            return g
+        return to_tensors(step, block_size=self.block_size, device=self.device)
+
+    def forward(self, inputs: GraphStep | ModelInputs, hidden_in: torch.Tensor | None = None,
+                feed=None) -> torch.Tensor:
+        """This rank's output [T, H] (a graph's output is a view its next replay rewrites).
+        ``hidden_in``: the previous stage's output (not on the first stage); ``feed``: the fed
+        decode tokens' patch of the input ids (first stage, token feedback)."""
+        if isinstance(inputs, GraphStep):
+            return self.cuda_graphs.replay(inputs, hidden_in, feed)
+        if feed is not None:
+            feed(inputs.input_ids)
+        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, hidden_states=hidden_in)
 
     @torch.inference_mode()
     def forward_logits(self, step: StepInputs) -> torch.Tensor:
-        """Logits [N, V] (float32) of the last token of every sequence that samples."""
-        if self.cuda_graphs is not None and (g := self.cuda_graphs.prepare(step)) is not None:
-            hidden = self.cuda_graphs.replay(g)  # [T, H], one row per token
-            return self.model.compute_logits(hidden[g.sample_indices])
-        inputs = to_tensors(step, block_size=self.block_size, device=self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        """Logits [N, V] (float32) of the last token of every sequence that samples (a model
+        that holds every layer)."""
+        inputs = self.prepare(step)
+        hidden = self.forward(inputs)
         return self.model.compute_logits(hidden[inputs.sample_indices])
-
-    @torch.inference_mode()
-    def execute(
-        self,
-        step: StepInputs,
-        params: list[SamplingParams],
-        generators: list[torch.Generator | None],
-        *,
-        num_output_tokens: list[int],
-        eos_token_ids: tuple[int, ...],
-    ) -> SamplerOutput:
-        """`params`/`generators`/`num_output_tokens` are per sampling sequence, in batch order
-        (the last two let the sampler hold EOS back until min_tokens)."""
-        logits = self.forward_logits(step)
-        assert logits.shape[0] == len(params) == len(generators)
-        return self.sampler(
-            logits, params, generators, num_output_tokens=num_output_tokens, eos_token_ids=eos_token_ids
-        )

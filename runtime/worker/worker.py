@@ -1,11 +1,14 @@
-"""A pipeserve worker: one torchrun process, one device, one (stage, TP rank) of the model.
+"""A pipeserve worker: one device, one (stage, TP rank) of the model.
 
     torchrun --nproc-per-node N -m pipeserve.runtime.worker.worker     (the engine starts this)
 
-Every worker receives every StepPlan (ZeroMQ); stage 0 embeds the plan's tokens, later stages
-receive the previous stage's hidden states (NCCL / gloo point-to-point, shape [T, H] derived
-from the plan); the last stage's TP rank 0 samples and sends the StepResult. With token
-feedback it also sends the sampled ids to stage 0, which feeds them to later plans' decodes.
+One GPU is a group of one: the engine drives the same ``Worker`` in its own process
+(``executor.InProcessExecutor``), so model loading, KV sizing, CUDA graphs and sampling exist
+once. Under torchrun every worker receives every StepPlan (ZeroMQ); stage 0 embeds the plan's
+tokens, later stages receive the previous stage's hidden states (NCCL / gloo point-to-point,
+shape [T, H] derived from the plan); the last stage's TP rank 0 samples and sends the
+StepResult. With token feedback it also sends the sampled ids to stage 0, which feeds them to
+later plans' decodes.
 """
 
 from __future__ import annotations
@@ -13,32 +16,42 @@ from __future__ import annotations
 import cProfile
 import io
 import json
+import math
 import os
 import pstats
+import signal
 import statistics
 import sys
 import time
 import traceback
 from collections import deque
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, stage_ranks
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
-from pipeserve.parallel.split_head import split_rows
 from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
-from pipeserve.parallel.wire import BlockTableMirror, PostFeedback, Shutdown, StepPlan, StepResult, WorkerError
-from pipeserve.runtime.worker.batch import ModelInputs, StepInputs, to_tensors
+from pipeserve.parallel.wire import BlockTableMirror, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
+from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
+from pipeserve.runtime.worker.batch import BlockTableArray, StepInputs, to_tensors
 from pipeserve.runtime.worker.cuda_graphs import GraphStep, capture_cuda_graphs
-from pipeserve.runtime.engine.executor import spec_to_params
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
-from pipeserve.runtime.model.loader import load_model, read_config_and_tokenizer, set_kernels
+from pipeserve.runtime.worker.model_runner import ModelRunner
+from pipeserve.runtime.worker.rendezvous import broadcast_json, gather_timelines
 from pipeserve.runtime.worker.sampler import Sampler, make_generator
+from pipeserve.scheduler import SamplingParams
 
 EXIT_ENGINE_LOST = 3
+STAGE_STATS_DIR_ENV = "PIPESERVE_STAGE_STATS_DIR"
+"""Benchmarks: a folder where the workers' stage timelines land after the run (rank 0 writes
+every rank's), and the switch that makes the workers record them."""
+IGNORE_SIGTERM_ENV = "PIPESERVE_WORKER_IGNORE_SIGTERM"
+"""Set by an engine that starts its rank-0 worker under an outer torchrun: that worker leaves
+when the engine tells it to (or goes silent), never on a job's SIGTERM."""
 PROFILE_ENV = "PIPESERVE_WORKER_PROFILE"
 """A folder: each worker profiles its ``execute`` calls (cProfile) and writes the functions with
 the most own and cumulative time there at shutdown (``worker_rank{R}.txt``). Diagnostics only:
@@ -46,54 +59,45 @@ cProfile slows the host."""
 _IDLE_POST_S = 0.005
 """A first-stage rank that has waited this long for a plan posts its feedback receives still
 held back (parallel/feedback.py): sooner would put them beside the next plan's compute."""
-_REMOTE_RESULT_POLL_S = 0.0001
-"""How often the driver looks for a split step's ids while it has no plan to run: they come back
-from the first stage, so waiting for them would keep a plan that arrives meanwhile waiting."""
-_IDLE_POST_SPLIT_S = 0.05
-"""The same when only split steps' receives are held back: the engine asks for those when it
-waits for one (``PostFeedback``), so this is a safety net, longer than the host's usual lead."""
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, ctx: ParallelContext, device: torch.device) -> None:
+    def __init__(self, config: EngineConfig, ctx: ParallelContext, device: torch.device, *,
+                 loaded: LoadedModel | None = None, record: bool | None = None) -> None:
+        """``loaded``: a whole model already in memory (a group of one; sweeps and tests build
+        several engines over one model). ``record``: keep every step's span for a benchmark's
+        stage timeline (None: when ``PIPESERVE_STAGE_STATS`` or ``PIPESERVE_STAGE_STATS_DIR``
+        is set)."""
         self.config, self.ctx, self.device = config, ctx, device
         self.dtype = config.torch_dtype(device)
-        model_config, _, _ = read_config_and_tokenizer(config.model)
-        par = config.parallel
-        span = plan_model_stages(model_config, ctx.pp_size, override=par.stage_layers,
-                                 half_layers=par.half_layer_stages)[ctx.stage]
-        # Split sampling (parallel/split_head.py): the first stage holds the head's rows [0, V0).
-        split = config.split_sampling and ctx.feedback_group is not None
-        head_rows = split_rows(model_config.vocab_size) if split else 0
-        loaded = load_model(config.model, dtype=self.dtype, device=device, start_layer=span.start_layer,
-                            end_layer=span.end_layer, load_format=config.load_format, parallel=ctx,
-                            head_rows=head_rows if ctx.is_first_stage else 0, first_mlp_only=span.first_mlp_only,
-                            last_attention_only=span.last_attention_only)
-        self.model, self.model_config = loaded.model, loaded.config
+        if loaded is None:
+            loaded = self._load()
+        assert loaded.model.start_layer == 0 or ctx.pp_size > 1
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         set_kernels(self.model, config, device)
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
-        self.num_layers = span.num_layers  # (reported in the stage timeline; a half counts half)
-        self.num_kv_layers = span.num_attention_layers
+        self.sampler = Sampler()
         self.num_kv_blocks = self._agree_on_kv_blocks()
-        self.kv_caches = allocate_kv_cache(
-            self.model_config, num_layers=self.num_kv_layers, num_blocks=self.num_kv_blocks,
+        kv_caches = allocate_kv_cache(
+            self.model_config, num_layers=self.model.num_attention_layers, num_blocks=self.num_kv_blocks,
             block_size=config.block_size, dtype=self.dtype, device=device,
             num_kv_heads=self.model.num_local_kv_heads,
         )
         # Every TP rank of the stage captures the same buckets in the same order (NCCL inside).
-        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        self.cuda_graphs = None
-        if config.cuda_graphs_in_workers and not config.deterministic:  # (see cuda_graphs.py)
-            self.cuda_graphs = capture_cuda_graphs(self.model, self.kv_caches, config,
-                                                   max_model_len=max_model_len, device=device)
+        graphs = None
+        if self._captures_graphs:
+            graphs = capture_cuda_graphs(self.model, kv_caches, config, max_model_len=self._max_model_len,
+                                         device=device)
+        self.runner = ModelRunner(self.model, kv_caches=kv_caches, block_size=config.block_size, device=device,
+                                  cuda_graphs=graphs)
         self.mirror = BlockTableMirror()
-        self.sampler = Sampler()
+        self.tables = BlockTableArray()
         self._generators: dict[str, torch.Generator | None] = {}
-        self._params: dict[str, tuple[object, object]] = {}  # rid -> (spec, SamplingParams)
         self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
         # The busy total is always kept (/metrics); per-step spans only when asked (benchmarks).
-        stats = os.environ.get("PIPESERVE_STAGE_STATS") or os.environ.get("PIPESERVE_STAGE_STATS_DIR")
-        self.busy = BusyTimer(device, record=bool(stats))
+        if record is None:
+            record = bool(os.environ.get("PIPESERVE_STAGE_STATS") or os.environ.get(STAGE_STATS_DIR_ENV))
+        self.busy = BusyTimer(device, record=record)
         self.feedback_sender: FeedbackSender | None = None
         self.feedback_receiver: FeedbackReceiver | None = None
         if (group := ctx.feedback_group) is not None:
@@ -102,31 +106,103 @@ class Worker:
             first = stage_ranks(0, ctx.tp_size)
             warm_up(group, src=ctx.driver_rank, dsts=first, rank=ctx.rank, device=device)
             if ctx.is_driver:
-                head = (self.model.lm_head.weight[head_rows:], head_rows) if split else None
-                self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size, split=head)
+                self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size)
             else:
-                self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1,
-                                                          split_weight=self.model.head_share_weight)
-        # A split step's ids come back from the first stage: a side stream waits for them, so
-        # that this stage's next micro-batch does not.
-        self._result_stream = torch.cuda.Stream(device) if split and device.type == "cuda" else None
+                self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1)
+
+    def _load(self) -> LoadedModel:
+        """This rank's slice of the checkpoint: its stage's layers, its TP shard."""
+        par = self.config.parallel
+        span = None
+        if self.ctx.pp_size > 1:
+            model_config, _, _ = read_config_and_tokenizer(self.config.model)
+            span = plan_model_stages(model_config, self.ctx.pp_size, override=par.stage_layers,
+                                     half_layers=par.half_layer_stages)[self.ctx.stage]
+        return load_model(
+            self.config.model, dtype=self.dtype, device=self.device, load_format=self.config.load_format,
+            parallel=self.ctx, start_layer=0 if span is None else span.start_layer,
+            end_layer=None if span is None else span.end_layer,
+            first_mlp_only=span is not None and span.first_mlp_only,
+            last_attention_only=span is not None and span.last_attention_only,
+        )
+
+    @property
+    def _max_model_len(self) -> int:
+        return self.config.max_model_len or self.model_config.max_position_embeddings
+
+    @property
+    def _captures_graphs(self) -> bool:
+        # Deterministic mode keeps tp/pp workers eager (cuda_graphs.py).
+        return not (self.config.deterministic and self.ctx.world_size > 1)
+
+    # ---- the KV pool -------------------------------------------------------------------------
 
     def _agree_on_kv_blocks(self) -> int:
         """Every stage holds the same number of blocks: the fewest any rank can afford."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = kv_cache_bytes_per_block(
-            self.model_config, num_layers=self.num_kv_layers, block_size=self.config.block_size,
+            self.model_config, num_layers=self.model.num_attention_layers, block_size=self.config.block_size,
             dtype=self.dtype, num_kv_heads=self.model.num_local_kv_heads,
         )
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = total * self.config.gpu_memory_utilization - (total - free) - (2 << 30)
-        else:
-            budget = self.config.kv_cache_memory_gb * 2**30
-        mine = torch.tensor([max(int(budget // per_block), 1)], device=self.device)
-        dist.all_reduce(mine, op=dist.ReduceOp.MIN)
-        return int(mine.item())
+        mine = torch.tensor([max(int(self._kv_cache_budget() // per_block), 0)], device=self.device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(mine, op=dist.ReduceOp.MIN)
+        num_blocks = int(mine.item())
+        if num_blocks < 1:
+            raise ValueError("no memory left for the KV cache: lower scheduler.max_num_batched_tokens, raise "
+                             "engine.gpu_memory_utilization, or use more GPUs")
+        return num_blocks
+
+    def _kv_cache_budget(self) -> float:
+        """Bytes this rank can give the KV pool. On CUDA: ``gpu_memory_utilization`` of the card,
+        less what is in use now (weights, CUDA and NCCL context, other processes), less the peak
+        one forward of the largest micro-batch allocates (measured, ``_profile_forward``), and as
+        much again for the CUDA graphs' pool (which holds one forward of the largest bucket).
+        On CPU: ``kv_cache_memory_gb``."""
+        if self.device.type != "cuda":
+            return self.config.kv_cache_memory_gb * 2**30
+        activations = self._profile_forward()
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        graphs = activations if self._captures_graphs else 0
+        return total * self.config.gpu_memory_utilization - (total - free) - activations - graphs
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> int:
+        """Peak bytes one forward of the largest micro-batch (``max_num_batched_tokens`` tokens
+        over as many sequences as a step may hold, every one sampled with top-p) allocates on
+        this rank, beyond what is held already. Runs over a throwaway KV cache of just its
+        blocks; a later stage takes zeros for the previous stage's output."""
+        sched, bs = self.config.scheduler, self.config.block_size
+        num_tokens = sched.max_num_batched_tokens
+        num_seqs = max(min(sched.max_num_seqs, num_tokens), math.ceil(num_tokens / self._max_model_len))
+        lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+        tables, first = [], 0
+        for n in lens:
+            tables.append(list(range(first, first + math.ceil(n / bs))))
+            first += len(tables[-1])
+        kv = allocate_kv_cache(self.model_config, num_layers=self.model.num_attention_layers, num_blocks=first,
+                               block_size=bs, dtype=self.dtype, device=self.device,
+                               num_kv_heads=self.model.num_local_kv_heads)
+        step = StepInputs(request_ids=[str(i) for i in range(num_seqs)], token_ids=[0] * num_tokens, query_lens=lens,
+                          start_positions=[0] * num_seqs, block_tables=tables, needs_sample=[True] * num_seqs)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        held = torch.cuda.memory_allocated(self.device)
+        inputs = to_tensors(step, block_size=bs, device=self.device)
+        hidden_in = None
+        if not self.ctx.is_first_stage:
+            hidden_in = torch.zeros(num_tokens, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, kv, inputs.meta, hidden_states=hidden_in)
+        if self.ctx.is_last_stage:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            if self.ctx.is_driver:
+                params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs
+                self.sampler(logits, params, [None] * num_seqs)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - held
 
     # ---- one micro-batch ---------------------------------------------------------------------
 
@@ -134,7 +210,7 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult | _PendingResult | None:
         for rid in plan.freed:
             self._generators.pop(rid, None)
-            self._params.pop(rid, None)
+            self.tables.free(rid)
         tables = self.mirror.apply_plan(plan)
         receiver = self.feedback_receiver
         feed = None if receiver is None else receiver.take(plan)
@@ -146,48 +222,30 @@ class Worker:
             block_tables=tables,
             needs_sample=[s.needs_sample for s in plan.seqs],
         )
+        # A full table replaces the mirror's (a new or restarted request); a diff grows it.
+        step.padded_block_tables = self.tables.gather(step.request_ids, tables,
+                                                      [s.block_table is not None for s in plan.seqs])
         t0 = time.perf_counter()
-        inputs = self._prepare(step)
+        inputs = self.runner.prepare(step)
         hidden_in = None
         if not self.ctx.is_first_stage:
             self.busy.begin_recv()
             hidden_in = self._recv(step.num_tokens)
         self.busy.begin(graph=isinstance(inputs, GraphStep))
-        hidden = self._forward(inputs, hidden_in, feed)
+        hidden = self.runner.forward(inputs, hidden_in, feed)
         if not self.ctx.is_last_stage:
             self.busy.end(plan.step_id)
-            self._send(hidden)
+            # A graph's output buffer is rewritten by the next replay while an isend (on NCCL's
+            # stream) may still read it: send a copy.
+            self._send(hidden.clone() if isinstance(inputs, GraphStep) else hidden)
             if self.feedback_receiver is not None:
                 self.feedback_receiver.post_due()  # sampled ids due, from the driver (feedback.py)
             return None
-        rows = hidden[inputs.sample_indices]
-        sender = self.feedback_sender
-        if sender is not None and sender.splits(plan):
-            return self._sample_split(plan, rows, time.perf_counter() - t0)  # (ends the busy span)
-        logits = self.model.compute_logits(rows)
+        logits = self.model.compute_logits(hidden[inputs.sample_indices])
         if not self.ctx.is_driver:
             self.busy.end(plan.step_id)
             return None
         return self._sample(plan, logits, time.perf_counter() - t0)  # (ends the busy span)
-
-    def _prepare(self, step: StepInputs) -> GraphStep | ModelInputs:
-        """Host-side inputs: a padded graph step when a captured bucket holds the step (decode
-        or mixed, ``CudaGraphRunner.prepare``), else the packed tensors of an eager forward."""
-        if self.cuda_graphs is not None and (g := self.cuda_graphs.prepare(step)) is not None:
-            return g
-        return to_tensors(step, block_size=self.config.block_size, device=self.device)
-
-    def _forward(self, inputs: GraphStep | ModelInputs, hidden_in: torch.Tensor | None, feed) -> torch.Tensor:
-        """``feed``: the fed decode tokens' patch of the input ids (stage 0, token feedback)."""
-        if isinstance(inputs, GraphStep):
-            hidden = self.cuda_graphs.replay(inputs, hidden_in, feed)
-            # The graph's output buffer is rewritten by the next replay while an isend (on
-            # NCCL's stream) may still read it: send a copy.
-            return hidden if self.ctx.is_last_stage else hidden.clone()
-        if feed is not None:
-            feed(inputs.input_ids)
-        return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                          hidden_states=hidden_in)
 
     def _recv(self, num_tokens: int) -> torch.Tensor:
         # The shape comes from the plan: no shape message travels.
@@ -207,8 +265,11 @@ class Worker:
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult | _PendingResult:
         seqs = [s for s in plan.seqs if s.needs_sample]
-        params = [self._params_of(s) for s in seqs]
-        gens = [self._generator_of(s, p) for s, p in zip(seqs, params)]
+        if not seqs:  # prompt chunks only: nothing to sample, feed or wait for
+            self.busy.end(plan.step_id)
+            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], stage_times=[seconds])
+        params = [s.sampling for s in seqs]
+        gens = [self._generator_of(s) for s in seqs]
         sender = self.feedback_sender
 
         def on_sampled(token_ids: torch.Tensor) -> None:
@@ -230,40 +291,29 @@ class Worker:
         return StepResult(step_id=plan.step_id, request_ids=[s.request_id for s in seqs],
                           token_ids=out.token_ids.tolist(), logprobs=logprobs, stage_times=[seconds])
 
-    def _sample_split(self, plan: StepPlan, rows: torch.Tensor, seconds: float) -> StepResult | _PendingResult:
-        """A split step (parallel/split_head.py): this stage's share of the head goes to the first
-        stage, whose combined ids come back; on CUDA nothing here waits for them."""
-        token_ids, arrival = self.feedback_sender.send_split(rows)
-        self.busy.end(plan.step_id)  # this stage's work on the step is queued
-        request_ids = [s.request_id for s in plan.seqs if s.needs_sample]
-        if self._result_stream is not None:
-            return _PendingResult(plan.step_id, request_ids, token_ids, seconds, after=arrival,
-                                  stream=self._result_stream)
-        arrival.wait()
-        return StepResult(step_id=plan.step_id, request_ids=request_ids, token_ids=token_ids.tolist(),
-                          stage_times=[seconds])
-
-    def _params_of(self, seq):
-        cached = self._params.get(seq.request_id)
-        if cached is None or cached[0] != seq.sampling:
-            cached = (seq.sampling, spec_to_params(seq.sampling))
-            self._params[seq.request_id] = cached
-        return cached[1]
-
-    def _generator_of(self, seq, params) -> torch.Generator | None:
+    def _generator_of(self, seq) -> torch.Generator | None:
         if seq.request_id not in self._generators:
-            self._generators[seq.request_id] = make_generator(params.seed, self.device)
+            self._generators[seq.request_id] = make_generator(seq.sampling.seed, self.device)
         return self._generators[seq.request_id]
 
-    def _write_stage_timeline(self, out_dir: str) -> None:
-        """Benchmarks: this rank's per-step timeline as JSON, read by the bench after shutdown."""
-        os.makedirs(out_dir, exist_ok=True)
-        split = [end.num_split for end in (self.feedback_sender, self.feedback_receiver) if end is not None]
-        data = dict(rank=self.ctx.rank, stage=self.ctx.stage, tp_rank=self.ctx.tp_rank,
-                    num_layers=self.num_layers, spans=self.busy.timeline(),
-                    host={**self.busy.host_summary(), "split_steps": sum(split)})
-        with open(os.path.join(out_dir, f"stage_rank{self.ctx.rank}.json"), "w") as f:
-            json.dump(data, f)
+    def shutdown(self) -> None:
+        """Finishes what is in flight and closes the feedback channel; with
+        ``PIPESERVE_STAGE_STATS`` prints this rank's busy summary (one ``STAGE_STATS`` line)."""
+        self.wait_sends()
+        for end in (self.feedback_sender, self.feedback_receiver):
+            if end is not None:
+                end.close()
+        if os.environ.get("PIPESERVE_STAGE_STATS"):
+            stats = dict(rank=self.ctx.rank, stage=self.ctx.stage, **self.busy.summary())
+            print("STAGE_STATS " + json.dumps(stats), flush=True)
+
+    def stage_timeline(self) -> dict | None:
+        """Benchmarks: this rank's per-step timeline (None unless recorded), read by the bench
+        from ``stage_rank{rank}.json`` in ``PIPESERVE_STAGE_STATS_DIR`` (``write_timelines``)."""
+        if not self.busy.record:
+            return None
+        return dict(rank=self.ctx.rank, stage=self.ctx.stage, tp_rank=self.ctx.tp_rank,
+                    num_layers=self.model.num_layers, spans=self.busy.timeline(), host=self.busy.host_summary())
 
     # ---- the loop ----------------------------------------------------------------------------
 
@@ -276,38 +326,24 @@ class Worker:
         profile_dir = os.environ.get(PROFILE_ENV)
         profiler = cProfile.Profile() if profile_dir else None
         while True:
-            timeout = 1.0
-            if pending:  # (a split step's ids come back from the first stage: poll, do not block)
-                timeout = _REMOTE_RESULT_POLL_S if _awaits_remote(pending[0]) else 0.0
+            timeout = 0.0 if pending else 1.0
             if receiver is not None and receiver.unposted:
-                timeout = min(timeout, _IDLE_POST_SPLIT_S if receiver.unposted_split_only else _IDLE_POST_S)
+                timeout = min(timeout, _IDLE_POST_S)
             msg = channel.recv_plan(timeout_s=timeout)
             if msg is None:
                 if receiver is not None and receiver.unposted:
                     receiver.post()  # no plan to wait beside any more (feedback.py)
-                if pending and not _awaits_remote(pending[0]):
+                if pending:
                     channel.send(_arrived(pending.popleft()))
                     continue
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
                 self.busy.poll()  # idle: the last steps' busy time reaches the heartbeat
                 continue
-            if isinstance(msg, PostFeedback):
-                if receiver is not None:
-                    receiver.post()  # the engine waits for a split step's ids (wire.PostFeedback)
-                continue
             if isinstance(msg, Shutdown) or msg.shutdown:
                 while pending:
                     channel.send(_arrived(pending.popleft()))
-                self.wait_sends()
-                for end in (self.feedback_sender, self.feedback_receiver):
-                    if end is not None:
-                        end.close()
-                if os.environ.get("PIPESERVE_STAGE_STATS"):
-                    stats = dict(rank=self.ctx.rank, stage=self.ctx.stage, **self.busy.summary())
-                    print("STAGE_STATS " + json.dumps(stats), flush=True)
-                if out_dir := os.environ.get("PIPESERVE_STAGE_STATS_DIR"):
-                    self._write_stage_timeline(out_dir)
+                self.shutdown()
                 if profiler is not None:
                     _write_profile(profiler, profile_dir, self.ctx.rank)
                 return
@@ -334,20 +370,13 @@ def _write_profile(profiler: cProfile.Profile, folder: str, rank: int, top: int 
 class _PendingResult:
     """A step's sampled ids on their way to pinned host memory (the driver, token feedback)."""
 
-    def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float, *,
-                 after: dist.Work | None = None, stream: torch.cuda.Stream | None = None) -> None:
-        """``after``: a receive the ids come in by; ``stream``: where the copy waits for it
-        (default the current stream)."""
+    def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float) -> None:
         self.step_id, self.request_ids, self.seconds = step_id, request_ids, seconds
-        self.remote = after is not None  # the ids come from another rank
         self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         self.event = torch.cuda.Event()
-        self.token_ids = token_ids  # alive until copied (it may live on another stream)
-        with torch.cuda.stream(stream if stream is not None else torch.cuda.current_stream()):
-            if after is not None:
-                after.wait()
-            self.host.copy_(token_ids, non_blocking=True)
-            self.event.record()
+        self.token_ids = token_ids  # alive until copied
+        self.host.copy_(token_ids, non_blocking=True)
+        self.event.record()
 
     def ready(self) -> bool:
         return self.event.query()
@@ -356,11 +385,6 @@ class _PendingResult:
         self.event.synchronize()
         return StepResult(step_id=self.step_id, request_ids=self.request_ids, token_ids=self.host.tolist(),
                           stage_times=[self.seconds])
-
-
-def _awaits_remote(item: _PendingResult | StepResult) -> bool:
-    """A split step's result whose ids have not come back from the first stage yet."""
-    return isinstance(item, _PendingResult) and item.remote and not item.ready()
 
 
 def _arrived(item: _PendingResult | StepResult) -> StepResult:
@@ -514,23 +538,48 @@ def _device(config: EngineConfig, local_rank: int) -> torch.device:
     return device
 
 
-def main() -> None:
-    config = engine_config_from_dict(json.loads(os.environ["PIPESERVE_ENGINE_CONFIG"]))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+def write_timelines(out_dir: str, timelines: list[dict | None]) -> None:
+    """``stage_rank{r}.json`` per recorded timeline, each written whole (a reader never sees
+    half a file)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for data in timelines:
+        if data is None:
+            continue
+        path = os.path.join(out_dir, f"stage_rank{data['rank']}.json")
+        with open(f"{path}.tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(f"{path}.tmp", path)
+
+
+def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeout_s: float = 600.0) -> None:
+    """One torchrun rank's life as a worker: join the process group, take the engine's
+    endpoints from rank 0 (``PIPESERVE_PLAN_ENDPOINT`` / ``_RESULT_ENDPOINT`` in its
+    environment; the other ranks may be on other nodes), load this rank's slice, serve plans
+    until the engine shuts down. With a recorded timeline, every rank's ends up in rank 0's
+    ``PIPESERVE_STAGE_STATS_DIR``. Exits the process (code 1) on an error, after telling the
+    engine."""
+    rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != config.parallel.world_size:
+        raise ValueError(f"torchrun started {world} ranks but parallel.tp × parallel.pp = {config.parallel.world_size}")
     device = _device(config, local_rank)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback,
-                                 feedback_max_ctas=config.parallel.feedback_max_ctas)
+    ctx = build_parallel_context(config.parallel.tp, config.parallel.pp, token_feedback=config.parallel.feedback)
+    # Waits for rank 0's engine to start, and after the run for the slowest rank's timeline:
+    # bounded, so a lost rank cannot hang the others for long.
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=start_timeout_s + 60))
+    endpoints = None
+    if rank == 0:
+        endpoints = {"plan": os.environ["PIPESERVE_PLAN_ENDPOINT"], "result": os.environ["PIPESERVE_RESULT_ENDPOINT"]}
+    endpoints = broadcast_json(endpoints, control)
     transport = TransportConfig(liveness_timeout_s=config.parallel.liveness_timeout_s,
-                                handshake_timeout_s=600.0)
+                                handshake_timeout_s=start_timeout_s)
     channel = None
     try:
         torch.manual_seed(config.seed)
-        worker = Worker(config, ctx, device)
+        worker = Worker(config, ctx, device, record=record)
         channel = WorkerChannel(
             transport, rank=rank, world_size=ctx.world_size, stage=ctx.stage, tp_rank=ctx.tp_rank,
-            plan_endpoint=os.environ["PIPESERVE_PLAN_ENDPOINT"],
-            result_endpoint=os.environ["PIPESERVE_RESULT_ENDPOINT"],
+            plan_endpoint=endpoints["plan"], result_endpoint=endpoints["result"],
             # A worker blocked in a collective cannot poll: leave from the heartbeat thread.
             on_engine_lost=lambda: os._exit(EXIT_ENGINE_LOST),
             num_kv_blocks=worker.num_kv_blocks,
@@ -547,7 +596,20 @@ def main() -> None:
     finally:
         if channel is not None:
             channel.close()
+    if worker.busy.record:
+        timelines = gather_timelines(worker.stage_timeline(), rank, ctx.world_size, control)
+        if timelines is not None and (out_dir := os.environ.get(STAGE_STATS_DIR_ENV)):
+            write_timelines(out_dir, timelines)
     dist.destroy_process_group()
+
+
+def main() -> None:
+    """A worker process, started by the engine: one rank of the torchrun it launched, or under
+    an outer torchrun the rank 0 that the program on rank 0 started (which leaves SIGTERM to
+    the engine: it drains, then shuts the workers down)."""
+    if os.environ.get(IGNORE_SIGTERM_ENV):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    run_worker(engine_config_from_dict(json.loads(os.environ["PIPESERVE_ENGINE_CONFIG"])))
 
 
 if __name__ == "__main__":

@@ -449,15 +449,14 @@ def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: 
     config = EngineConfig(
         model=folder, device=device, dtype="float32", num_kv_blocks=256, max_model_len=256,
         cuda_graph_max_batch=256 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0,
-        cuda_graphs_in_workers=tp * pp > 1,
         scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=32),
         parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback, stage_layers=stage_layers,
                                 half_layer_stages=stage_layers is not None, decode_groups=decode_groups),
     )
     with LLM.from_config(config) as llm:
         outs = llm.generate(prompts, params)
-        runner = getattr(llm.engine.executor, "runner", None)
-        runner_graphs = runner.cuda_graphs if runner is not None else None
+        worker = getattr(llm.engine.executor, "worker", None)  # (in this process: one device)
+        runner_graphs = worker.runner.cuda_graphs if worker is not None else None
         replays = (runner_graphs.num_replays, runner_graphs.num_mixed_replays) if runner_graphs is not None else None
     return [o.outputs[0].token_ids for o in outs], replays
 
@@ -506,8 +505,8 @@ def test_gpu_smollm2_bf16_with_graphs():
     config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
                           scheduler=SchedulerConfig(max_num_seqs=64))
     with LLM.from_config(config) as llm:
-        assert llm.engine.executor.runner.cuda_graphs is not None
+        assert llm.engine.executor.worker.runner.cuda_graphs is not None
         msgs = [[{"role": "user", "content": "What is the capital of France?"}]] * 5
         outs = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=16))
-        assert llm.engine.executor.runner.cuda_graphs.num_replays > 0
+        assert llm.engine.executor.worker.runner.cuda_graphs.num_replays > 0
     assert {o.outputs[0].text.strip() for o in outs} == {"The capital of France is Paris."}

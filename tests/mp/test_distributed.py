@@ -88,12 +88,12 @@ def test_pipelined_chunks_and_decodes():
     from pipeserve.scheduler import SchedulerConfig
 
     config = EngineConfig(
-        device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512, record_steps=True,
+        device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512,
         scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=64),
         parallel=ParallelConfig(pp=2, token_feedback=False),
     )
     long_prompt = "Summarize: " + "the quick brown fox jumps over the lazy dog " * 8
-    with LLM.from_config(config) as llm:
+    with LLM.from_config(config, record_steps=True) as llm:
         single = LLM(**{**COMMON, "max_num_batched_tokens": 16})
         prompts = [long_prompt, "Hi", "Name a color."]
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -132,11 +132,11 @@ def test_token_feedback_matches_single_process(reference, tp, pp, groups):
     from pipeserve.scheduler import SchedulerConfig
 
     config = EngineConfig(
-        device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512, record_steps=True,
+        device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=512,
         scheduler=SchedulerConfig(max_num_batched_tokens=40),
         parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=True, decode_groups=groups),
     )
-    with LLM.from_config(config) as llm:
+    with LLM.from_config(config, record_steps=True) as llm:
         outs = llm.chat(chats(), GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference
         assert llm.engine.scheduler.block_manager.num_free_blocks == 256

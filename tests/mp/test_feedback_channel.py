@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 
 from pipeserve.parallel.context import build_parallel_context, nccl_options
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
-from pipeserve.parallel.wire import SamplingSpec, SeqPlan, StepPlan
+from pipeserve.parallel.wire import SeqPlan, StepPlan
+from pipeserve.scheduler import SamplingParams
 
 NUM_STEPS = 300
-SPEC = SamplingSpec(temperature=0.0, top_p=1.0, top_k=0, min_p=0.0, seed=None, logprobs=None,
-                    min_tokens=0, stop_token_ids=[])
+SPEC = SamplingParams(temperature=0.0)
 
 
 def plan(step: int) -> StepPlan:
@@ -43,7 +43,7 @@ def sampled(step: int) -> torch.Tensor:
 def _run(rank: int, init_file: str, out: dict, post_lag: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     # pp=2 without TP: stage 0 (rank 0) and the driver (rank 1); the CTA cap is NCCL's alone
-    group = build_parallel_context(1, 2, token_feedback=True, feedback_max_ctas=1).feedback_group
+    group = build_parallel_context(1, 2, token_feedback=True).feedback_group
     assert group is not None and nccl_options(max_ctas=1) is None
     device = torch.device("cpu")
     warm_up(group, src=1, dsts=[0], rank=rank, device=device)
@@ -109,85 +109,3 @@ def test_feedback_channel_over_gloo(tmp_path, post_lag):
     assert got[1]["sender_most_pending"] <= max(FeedbackSender._MAX_PENDING, post_lag + 3)
     # Unread receives (the odd steps) are dropped once old: bounded, not one per step.
     assert got[0]["receiver_most_received"] <= FeedbackReceiver._PRUNE_AGE + FeedbackReceiver._PRUNE_EVERY + 4
-
-
-# ---- split sampling (parallel/split_head.py) ----------------------------------------------------
-
-VOCAB, HIDDEN = 96, 16
-RANDOM = SamplingSpec(temperature=0.8, top_p=1.0, top_k=0, min_p=0.0, seed=1, logprobs=None)
-
-
-def split_plan(step: int) -> StepPlan:
-    """``plan``'s steps, with every tenth odd one sampling randomly: those, and the prompt at
-    step 0, are not split; every other step is."""
-    p = plan(step)
-    if step % 10 == 5:
-        seq = p.seqs[0]
-        p = StepPlan(step_id=step, seqs=[SeqPlan(**{**{f: getattr(seq, f) for f in seq.__struct_fields__},
-                                                   "sampling": RANDOM})], freed=p.freed)
-    return p
-
-
-def head_and_rows(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head (the same on both ranks) and the rows a split step samples."""
-    weight = torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0))
-    rows = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(100 + step))
-    return weight, rows
-
-
-def expected(step: int) -> int:
-    """What a step samples: the full head's argmax of its rows when split, else ``sampled``."""
-    from pipeserve.parallel.split_head import splits
-
-    if not splits(split_plan(step)):
-        return sampled(step).item()
-    weight, rows = head_and_rows(step)
-    return (rows @ weight.T).argmax(dim=-1).item()
-
-
-def _run_split(rank: int, init_file: str, out: dict) -> None:
-    from pipeserve.parallel.split_head import split_rows
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    group = build_parallel_context(1, 2, token_feedback=True).feedback_group
-    device = torch.device("cpu")
-    warm_up(group, src=1, dsts=[0], rank=rank, device=device)
-    weight, _ = head_and_rows(0)
-    v0 = split_rows(VOCAB)
-    num_steps = 60
-    if rank == 1:  # the driver: its half of the head; the combined ids come back
-        sender, back, num_split = FeedbackSender(group, [0], pp=2, split=(weight[v0:], v0)), [], 0
-        for step in range(num_steps):
-            p = split_plan(step)
-            if sender.splits(p):
-                ids, arrival = sender.send_split(head_and_rows(step)[1])
-                arrival.wait()
-                back.append(ids.item() == expected(step))
-                num_split += 1
-            else:
-                sender.send(sampled(step))
-        sender.close()
-        out["ids_back_right"], out["num_split"] = all(back), num_split
-    else:  # the first stage: rows [0, v0) of the head
-        receiver, fed = FeedbackReceiver(group, src=1, device=device, post_lag=1, split_weight=weight[:v0]), []
-        for step in range(num_steps):
-            patch = receiver.take(split_plan(step))
-            if step % 2 == 0 and step > 0:
-                ids = torch.zeros(1, dtype=torch.int64)
-                patch(ids)
-                fed.append(ids.item() == expected(step - 2))
-            receiver.post_due()
-        receiver.close()
-        out["fed_right"], out["num_fed"] = all(fed), len(fed)
-    dist.destroy_process_group()
-
-
-@pytest.mark.timeout(120)
-def test_split_sampling_over_gloo(tmp_path):
-    """The driver sends split steps' rows and partial argmax, the first stage combines them with
-    its half of the head: the fed ids and the ids sent back are the full head's argmax; steps
-    that are not split (a prompt, random sampling) go through ``send`` as before, in the same
-    order on the same pair."""
-    got = _run_pair(tmp_path, _run_split)
-    assert got[0]["fed_right"] and got[0]["num_fed"] == 29
-    assert got[1]["ids_back_right"] and got[1]["num_split"] == 60 - 1 - 6  # the prompt, six random steps

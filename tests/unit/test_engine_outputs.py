@@ -1,7 +1,31 @@
-"""LLMEngine outputs per RequestOutputKind, over the instant executor of tools/step_overhead.py."""
+"""LLMEngine outputs per RequestOutputKind, over a tiny random model on CPU."""
 
-from tools.step_overhead import make_engine
+import random
+
+import pytest
+
+from helpers_model import write_tiny_model
+from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.engine.llm_engine import LLMEngine
 from pipeserve.runtime.engine.outputs import RequestOutputKind
+from pipeserve.scheduler import SamplingParams, SchedulerConfig
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return write_tiny_model(tmp_path_factory.mktemp("engine_outputs"))
+
+
+def make_engine(model: str, num_requests: int, *, output_kind=RequestOutputKind.CUMULATIVE) -> LLMEngine:
+    """``num_requests`` greedy requests of 20-odd random tokens, 12 outputs each (EOS ignored)."""
+    config = EngineConfig(model=model, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+                          max_model_len=64, scheduler=SchedulerConfig(max_num_batched_tokens=64))
+    engine = LLMEngine(config)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for i in range(num_requests):
+        engine.add_request(str(i), [rng.randrange(3, 256) for _ in range(20 + i)], params, output_kind=output_kind)
+    return engine
 
 
 def run_to_completion(engine) -> list[list]:
@@ -11,9 +35,9 @@ def run_to_completion(engine) -> list[list]:
     return steps
 
 
-def test_final_only_returns_the_same_final_outputs_and_nothing_before():
+def test_final_only_returns_the_same_final_outputs_and_nothing_before(model):
     def engine(kind):
-        return make_engine(6, 20, 5, block_size=4, prefix_caching=False, stop=[], output_kind=kind)
+        return make_engine(model, 6, output_kind=kind)
 
     cumulative = run_to_completion(engine(RequestOutputKind.CUMULATIVE))
     final_only = run_to_completion(engine(RequestOutputKind.FINAL_ONLY))
@@ -29,8 +53,8 @@ def test_final_only_returns_the_same_final_outputs_and_nothing_before():
         assert len(out.metrics.token_times) == len(out.outputs[0].token_ids)
 
 
-def test_cumulative_outputs_never_change_once_handed_out():
-    engine = make_engine(4, 20, 5, block_size=4, prefix_caching=False, stop=[])
+def test_cumulative_outputs_never_change_once_handed_out(model):
+    engine = make_engine(model, 4)
     first = engine.step()
     snapshot = [(o.outputs[0].token_ids.copy(), o.outputs[0].text) for o in first]
     run_to_completion(engine)

@@ -1,4 +1,3 @@
-import dataclasses
 
 import pytest
 
@@ -28,7 +27,7 @@ def test_keyword_only_and_frozen():
     with pytest.raises(TypeError):
         SamplingParams(1)
     p = SamplingParams(stop=["a"])
-    with pytest.raises(dataclasses.FrozenInstanceError):
+    with pytest.raises(AttributeError):
         p.temperature = 0.5
 
 
@@ -79,3 +78,23 @@ def test_rejects_bad_values(kwargs, match):
 def test_accepts_edge_values():
     SamplingParams(top_p=1e-9, min_p=1.0, logprobs=0, top_k=1, seed=-3, max_tokens=1, min_tokens=1)
     SamplingParams(logprobs=20, stop=["x" * 1024] + [str(i) for i in range(63)])
+
+
+def test_one_type_from_the_api_to_the_wire():
+    """The engine's plans carry the user's SamplingParams as they are: encoded, decoded and
+    validated again on the way (an out-of-range value cannot be sent)."""
+    import msgspec
+
+    p = SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=2**64 - 1, stop=["\n"], logprobs=2)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+    bad = msgspec.msgpack.encode([1, -1.0] + list(msgspec.msgpack.decode(msgspec.msgpack.encode(p)))[2:])
+    with pytest.raises(msgspec.ValidationError, match="temperature"):
+        msgspec.msgpack.decode(bad, type=SamplingParams)
+
+
+@pytest.mark.parametrize("field, value", [("seed", 2**64), ("top_k", 2**70), ("stop_token_ids", [2**70])])
+def test_integers_beyond_the_wire_are_rejected(field, value):
+    """msgpack carries 64-bit integers: larger ones are a clear ValueError here, not an
+    OverflowError when the engine encodes its plan."""
+    with pytest.raises(ValueError, match=field.split("_ids")[0]):
+        SamplingParams(**{field: value})

@@ -12,7 +12,7 @@ from collections import deque
 
 import pytest
 
-from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerLimits
 
 
 def next_token(context: list[int]) -> int:
@@ -37,9 +37,13 @@ def reference(prompt_lens, num_outputs) -> dict[str, list[int]]:
     return out
 
 
-def scheduler(policy="sarathi", *, distance=2, num_blocks=64, block_size=4, max_model_len=64, **kw) -> Scheduler:
-    config = SchedulerConfig(policy=policy, max_model_len=max_model_len, feedback_distance=distance, **kw)
-    return Scheduler(config, num_blocks=num_blocks, block_size=block_size, clock=lambda: 0.0, debug_checks=True)
+def scheduler(policy="sarathi", *, distance=2, min_feedback_distance=None, num_blocks=64, block_size=4,
+              max_model_len=64, **kw) -> Scheduler:
+    config = SchedulerConfig(policy=policy, **kw)
+    limits = SchedulerLimits(max_model_len=max_model_len, feedback_distance=distance,
+                             min_feedback_distance=min_feedback_distance)
+    return Scheduler(config, limits=limits, num_blocks=num_blocks, block_size=block_size, clock=lambda: 0.0,
+                     debug_checks=True)
 
 
 class Pipeline:
@@ -80,7 +84,7 @@ class Pipeline:
 def drive(sched: Scheduler, reqs, num_outputs, *, depth: int, max_steps=5_000):
     """The engine's side: up to ``depth`` micro-batches in flight, results back in order; a
     request stops (as at EOS) once it has its ``num_outputs``."""
-    distance = sched.config.min_feedback_distance or sched.config.feedback_distance
+    distance = sched.limits.min_feedback_distance or sched.limits.feedback_distance
     pipe = Pipeline(sched.block_manager.block_size)
     limit = {r.request_id: n for r, n in zip(reqs, num_outputs)}
     for r in reqs:
@@ -219,16 +223,7 @@ def test_preemption_with_feedback_makes_progress():
 
 def test_feedback_distance_is_validated():
     with pytest.raises(ValueError, match="feedback_distance"):
-        SchedulerConfig(feedback_distance=0)
-
-
-def test_feedback_max_ctas_is_validated():
-    from pipeserve.runtime.config import ParallelConfig
-
-    assert ParallelConfig(pp=2).feedback_max_ctas == 1
-    assert ParallelConfig(pp=2, feedback_max_ctas=None).feedback_max_ctas is None
-    with pytest.raises(ValueError, match="feedback_max_ctas"):
-        ParallelConfig(pp=2, feedback_max_ctas=0)
+        SchedulerLimits(max_model_len=64, feedback_distance=0)
 
 
 def test_decode_groups_set_the_feedback_distance():
@@ -247,9 +242,9 @@ def test_decode_groups_set_the_feedback_distance():
         with pytest.raises(ValueError, match=match):
             ParallelConfig(**bad)
     with pytest.raises(ValueError, match="min_feedback_distance"):
-        SchedulerConfig(feedback_distance=2, min_feedback_distance=3)
+        SchedulerLimits(max_model_len=64, feedback_distance=2, min_feedback_distance=3)
     with pytest.raises(ValueError, match="min_feedback_distance"):
-        SchedulerConfig(min_feedback_distance=2)
+        SchedulerLimits(max_model_len=64, min_feedback_distance=2)
 
 
 def plan_sizes(num_requests, *, least=None, distance=3, depth=4, iterations=40, balance=True, late=0):

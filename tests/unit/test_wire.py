@@ -4,15 +4,14 @@ import msgspec
 import pytest
 
 from pipeserve.parallel import wire
+from pipeserve.scheduler import SamplingParams
 from pipeserve.parallel.wire import (
     WIRE_VERSION,
     BlockTableDiffer,
     BlockTableMirror,
     Heartbeat,
     Hello,
-    PostFeedback,
     Ready,
-    SamplingSpec,
     SeqPlan,
     Shutdown,
     StepPlan,
@@ -24,9 +23,9 @@ from pipeserve.parallel.wire import (
 )
 
 
-def make_sampling(**kw) -> SamplingSpec:
+def make_sampling(**kw) -> SamplingParams:
     defaults = dict(temperature=0.7, top_p=0.9, top_k=50, min_p=0.05, seed=1234, logprobs=3)
-    return SamplingSpec(**(defaults | kw))
+    return SamplingParams(**(defaults | kw))
 
 
 def make_seq(request_id="r0", *, num_tokens=3, **kw) -> SeqPlan:
@@ -58,9 +57,8 @@ ALL_MESSAGES = [
     Heartbeat(rank=-1, t=1.7e9),
     Heartbeat(rank=3, t=1.7e9, stage_busy=wire.StageBusy(stage=1, busy_s=12.5)),
     Shutdown(reason="SIGTERM"),
-    PostFeedback(step_id=7),
     wire.AddRequest(request_id="r1", prompt_token_ids=[1, 2, 3], prompt="hi",
-                    params={"temperature": 0.5, "stop": ["\n"], "seed": 3}),
+                    params=SamplingParams(temperature=0.5, stop=["\n"], seed=3)),
     wire.AbortRequest(request_id="r1"),
     wire.RequestUpdate(request_id="r1", token_ids=[4, 5], text="ab", finish_reason="stop",
                        stop_reason="\n", logprobs=[{4: -0.1}, {5: -0.2, 6: -1.5}]),
