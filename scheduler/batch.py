@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
-from .config import SchedulerConfig
+from .config import SchedulerConfig, SchedulerLimits
 from .cost_model import CostModel, Work, attention_work
 from .request import Request, RequestStatus
 
@@ -79,6 +79,7 @@ class BatchBuilder:
         self,
         *,
         config: SchedulerConfig,
+        limits: SchedulerLimits,
         block_manager: BlockManager,
         cost_model: CostModel | None,
         running: list[Request],
@@ -91,6 +92,7 @@ class BatchBuilder:
         step_id: int = 0,
     ) -> None:
         self.config = config
+        self.limits = limits
         self.step_id = step_id
         self.block_manager = block_manager
         self.cost_model = cost_model
@@ -118,7 +120,7 @@ class BatchBuilder:
         self._num_admitted = 0
         self._ids: set[str] = set()
         self._decoding = 0  # decoding requests (prompt done): counted only where the balance needs them
-        if config.feedback_distance is not None and config.balance_decodes:
+        if limits.feedback_distance is not None and config.balance_decodes:
             self._decoding = sum(1 for r in running if r.num_pending_tokens or r.num_remaining_tokens == 1)
         self.feed_distance = self._feed_distance()
         self._fed_after = self.feed_distance  # steps a fed decode's token must be back (see running_decodes)
@@ -141,11 +143,11 @@ class BatchBuilder:
         """Schedulable running requests with exactly one token left, in arrival order; with
         token feedback, also those whose newest pending token can be fed to this step."""
         unblocked = self._is_unblocked
-        if self.config.feedback_distance is None:
+        if self.limits.feedback_distance is None:
             return [r for r in self.running if r.num_remaining_tokens == 1 and unblocked(r)]
         fed = self._can_feed
         decodes = [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
-        least = self.config.min_feedback_distance
+        least = self.limits.min_feedback_distance
         if not decodes and least is not None and least < self.feed_distance:
             # The groups just grew (more requests decode): every one decoded within the last
             # feed_distance steps. Take this step's share from min_feedback_distance back rather
@@ -170,9 +172,9 @@ class BatchBuilder:
         decode groups than stages (``min_feedback_distance`` below it) and balanced decodes, the
         groups this step's decoding requests fill (never fewer than ``min_feedback_distance``):
         a group left empty would leave a micro-batch without decodes."""
-        config = self.config
-        distance, least = config.feedback_distance, config.min_feedback_distance
-        if distance is None or least is None or least >= distance or not config.balance_decodes or not self._decoding:
+        distance, least = self.limits.feedback_distance, self.limits.min_feedback_distance
+        balanced = self.config.balance_decodes
+        if distance is None or least is None or least >= distance or not balanced or not self._decoding:
             return distance
         per_group = -(-self._decoding // distance)
         return max(least, min(distance, -(-self._decoding // per_group)))
@@ -336,7 +338,7 @@ class BatchBuilder:
         limit = request.max_output_tokens
         if limit is not None and request.num_output_tokens + pending >= limit:
             return False
-        return request.num_tokens + pending < self.config.max_model_len
+        return request.num_tokens + pending < self.limits.max_model_len
 
     def _is_unblocked(self, request: Request) -> bool:
         """Running, not awaiting its sampled token, not in this batch already, and not behind

@@ -1,4 +1,5 @@
-"""Scheduler configuration (values known before the run; the KV pool size is not one)."""
+"""Scheduler configuration (values known before the run) and the limits the engine works out at
+start-up (``SchedulerLimits``); the KV pool size, also found at start-up, is passed on its own."""
 
 from __future__ import annotations
 
@@ -25,10 +26,6 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     """Most sequences in one micro-batch. With pipeline parallelism several micro-batches are
     in flight, so more requests than this may be running at once; the KV pool bounds those."""
-
-    max_model_len: int = 2048
-    """Longest context (prompt + outputs). Longer prompts are rejected; a request is finished
-    with FINISHED_LENGTH once its tokens reach this length."""
 
     time_budget_s: float | None = None
     """Sarathi only: fill each micro-batch up to this *predicted* time (cost model) instead of
@@ -69,25 +66,11 @@ class SchedulerConfig:
     cache hit) fits beside what the running requests may still grow into, so admissions do
     not evict the live groups' prefixes or cause preemptions."""
 
-    feedback_distance: int | None = None
-    """Token feedback (set by the engine for pipeline parallelism, ``parallel.token_feedback``):
-    a request whose sampled token is not back yet may have its next decode scheduled once this
-    many micro-batches (the number of stages, or ``parallel.decode_groups``) have been scheduled
-    since the one that samples it; the last stage hands the token to the first on the device.
-    None: a request waits for its token (``Scheduler.update``) before its next decode."""
-
-    min_feedback_distance: int | None = None
-    """With balanced decodes and a feedback distance above this (more decode groups than stages,
-    set by the engine to pp): the distance a step uses is the number of groups the decoding
-    requests fill, ceil(decoding / ceil(decoding / feedback_distance)), but not below this.
-    Two requests cannot fill three groups: at distance three every third micro-batch would have
-    no decode, plan empty, and send the engine waiting for a result. None: feedback_distance."""
-
     balance_decodes: bool = True
     """With token feedback: no micro-batch takes more than its share of the decoding requests,
     ceil(decoding / distance), the longest-waiting first, where the distance is
-    ``feedback_distance`` (or fewer groups, ``min_feedback_distance``). Each request decodes in
-    every distance-th micro-batch, so requests fall into that many groups; a group
+    ``SchedulerLimits.feedback_distance`` (or fewer groups, ``min_feedback_distance``). Each
+    request decodes in every distance-th micro-batch, so requests fall into that many groups; a group
     left empty (all decodes admitted into the same micro-batch, or one group finishing first)
     leaves the pipeline a micro-batch short and a stage idle until the sampled tokens are back.
     Holding the excess back one step moves it into the short group (vLLM's pipeline keeps
@@ -97,7 +80,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; expected one of {POLICIES}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -112,6 +95,37 @@ class SchedulerConfig:
                      "balance_decodes", "even_chunks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
+        if self.prefix_grouping and not self.enable_prefix_caching:
+            raise ValueError("prefix_grouping needs enable_prefix_caching")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SchedulerLimits:
+    """What the engine works out at start-up and the scheduler obeys (not user configuration):
+    the context cap resolved against the model, and token feedback from the parallel layout."""
+
+    max_model_len: int
+    """Longest context (prompt + outputs): ``EngineConfig.max_model_len`` or the model's. Longer
+    prompts are rejected; a request is finished with FINISHED_LENGTH once its tokens reach this
+    length."""
+
+    feedback_distance: int | None = None
+    """Token feedback (set by the engine for pipeline parallelism, ``parallel.token_feedback``):
+    a request whose sampled token is not back yet may have its next decode scheduled once this
+    many micro-batches (the number of stages, or ``parallel.decode_groups``) have been scheduled
+    since the one that samples it; the last stage hands the token to the first on the device.
+    None: a request waits for its token (``Scheduler.update``) before its next decode."""
+
+    min_feedback_distance: int | None = None
+    """With balanced decodes and a feedback distance above this (more decode groups than stages,
+    set by the engine to pp): the distance a step uses is the number of groups the decoding
+    requests fill, ceil(decoding / ceil(decoding / feedback_distance)), but not below this.
+    Two requests cannot fill three groups: at distance three every third micro-batch would have
+    no decode, plan empty, and send the engine waiting for a result. None: feedback_distance."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
         if self.feedback_distance is not None and (
             not isinstance(self.feedback_distance, int) or self.feedback_distance < 1
         ):
@@ -122,5 +136,3 @@ class SchedulerConfig:
         ):
             raise ValueError(f"min_feedback_distance must be an int in [1, feedback_distance], got "
                              f"{self.min_feedback_distance!r} (feedback_distance {self.feedback_distance!r})")
-        if self.prefix_grouping and not self.enable_prefix_caching:
-            raise ValueError("prefix_grouping needs enable_prefix_caching")

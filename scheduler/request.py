@@ -36,7 +36,7 @@ class Request:
     advances it when it schedules a chunk, not when the chunk's result comes back. A chunk that
     reaches the end of the request's tokens samples one more: that token is *pending* until
     ``Scheduler.update`` appends it (``awaiting_token``). Without token feedback a request with
-    a pending token is not schedulable; with it (``SchedulerConfig.feedback_distance``) its next
+    a pending token is not schedulable; with it (``SchedulerLimits.feedback_distance``) its next
     decode may be, taking the newest pending token as input on the device, so up to a few
     tokens can be pending. While any is, ``num_computed_tokens == num_tokens +
     num_pending_tokens - 1``. ``sampling_params`` is opaque here; the engine reads it.

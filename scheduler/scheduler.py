@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from .batch import BatchBuilder, ScheduledRequest, SchedulerOutput
 from .block_manager import BlockManager
-from .config import SchedulerConfig
+from .config import SchedulerConfig, SchedulerLimits
 from .cost_model import CostModel
 from .policies import make_policy
 from .prefix_cache import PrefixCacheStats
@@ -24,10 +24,11 @@ __all__ = ["PrefixCacheStats", "Scheduler", "ScheduledRequest", "SchedulerOutput
 
 
 class Scheduler:
-    """Token-level scheduler over a paged KV pool of ``num_blocks`` blocks of ``block_size``.
+    """Token-level scheduler over a paged KV pool of ``num_blocks`` blocks of ``block_size``,
+    within the ``limits`` the engine works out at start-up (context cap, token feedback).
 
-    Raises ValueError at construction if one request of ``max_model_len`` tokens cannot fit in
-    the whole pool (as vLLM does at start-up). That guarantee is what makes preemption
+    Raises ValueError at construction if one request of ``limits.max_model_len`` tokens cannot
+    fit in the whole pool (as vLLM does at start-up). That guarantee is what makes preemption
     deadlock-free: a lone request always fits, so add_request never needs a per-request check
     beyond the length limit. ``clock`` stamps ``first_scheduled_time``; give arrival_time
     from the same clock.
@@ -37,6 +38,7 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         *,
+        limits: SchedulerLimits,
         num_blocks: int,
         block_size: int,
         cost_model: CostModel | None = None,
@@ -44,13 +46,14 @@ class Scheduler:
         debug_checks: bool = False,
     ) -> None:
         self.config = config
+        self.limits = limits
         self.block_manager = BlockManager(
             num_blocks, block_size, enable_caching=config.enable_prefix_caching
         )
-        num_needed = self.block_manager.num_blocks_for(config.max_model_len)
+        num_needed = self.block_manager.num_blocks_for(limits.max_model_len)
         if num_needed > num_blocks:
             raise ValueError(
-                f"max_model_len={config.max_model_len} needs {num_needed} KV blocks of"
+                f"max_model_len={limits.max_model_len} needs {num_needed} KV blocks of"
                 f" {block_size} tokens but the pool has {num_blocks}; lower max_model_len"
             )
         if config.time_budget_s is not None and cost_model is None:
@@ -68,7 +71,7 @@ class Scheduler:
         self.num_preemptions = 0  # over the scheduler's life, for metrics and tests
         self._prefix_stats = PrefixCacheStats()
         self._admission_gate = (
-            GroupAdmission(self.block_manager, self._running, max_model_len=config.max_model_len)
+            GroupAdmission(self.block_manager, self._running, max_model_len=limits.max_model_len)
             if config.prefix_grouping
             else None
         )
@@ -79,10 +82,10 @@ class Scheduler:
         """Queue a new request (FCFS). ValueError if empty, too long, or a duplicate id."""
         if request.num_prompt_tokens == 0:
             raise ValueError(f"request {request.request_id!r} has an empty prompt")
-        if request.num_tokens > self.config.max_model_len:
+        if request.num_tokens > self.limits.max_model_len:
             raise ValueError(
                 f"request {request.request_id!r} has {request.num_tokens} tokens,"
-                f" more than max_model_len={self.config.max_model_len}"
+                f" more than max_model_len={self.limits.max_model_len}"
             )
         if request.request_id in self._requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
@@ -157,6 +160,7 @@ class Scheduler:
         """
         batch = BatchBuilder(
             config=self.config,
+            limits=self.limits,
             block_manager=self.block_manager,
             cost_model=self.cost_model,
             running=self._running,
@@ -170,7 +174,7 @@ class Scheduler:
         )
         self.policy.schedule(batch)
         output = batch.build(self._next_step_id)
-        if not output.is_empty:  # (step ids count the micro-batches that run: see feedback_distance)
+        if not output.is_empty:  # (step ids count the micro-batches that run: see SchedulerLimits.feedback_distance)
             self._next_step_id += 1
         self.num_preemptions += len(output.preempted)
         stats = self._prefix_stats
@@ -221,7 +225,7 @@ class Scheduler:
         assert request.num_computed_tokens == num_tokens + request.num_pending_tokens - 2, request
         request.output_token_ids.append(token_id)
         request.num_pending_tokens -= 1
-        if num_tokens >= self.config.max_model_len:
+        if num_tokens >= self.limits.max_model_len:
             self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
 
     def _check_output(self, output: SchedulerOutput, batch: BatchBuilder) -> None:

@@ -24,7 +24,6 @@ Measured runs are in BENCHMARKS.md; this says how far they are from the floor.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from collections import deque
@@ -45,7 +44,7 @@ from pipeserve.runtime.bench.metrics import (
     stage_bubbles,
 )
 from pipeserve.runtime.bench.workload import RequestSpec, WorkloadConfig, build_workload, fit_to_context
-from pipeserve.scheduler import CostModel, Request, RequestStatus, Scheduler, SchedulerConfig, Work
+from pipeserve.scheduler import CostModel, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerLimits, Work
 
 _SCHEDULER_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "scheduler"
 
@@ -137,13 +136,14 @@ def head_floor(cost_model: CostModel, config) -> float:
     return cost_model.per_token * cost_model.knee_tokens * head / (config.num_hidden_layers + head)
 
 
-def simulate(specs: Sequence[RequestSpec], config: SchedulerConfig, pipe: Pipeline, *,
+def simulate(specs: Sequence[RequestSpec], config: SchedulerConfig, pipe: Pipeline, *, max_model_len: int,
              num_blocks: int = 1 << 16, block_size: int = 16) -> SimRun:
-    """Runs ``specs`` (lengths within config.max_model_len, as ``fit_to_context`` cuts them)
-    through the scheduler and the ideal pipeline; each request generates its output length."""
+    """Runs ``specs`` (lengths within ``max_model_len``, the engine's context cap, as
+    ``fit_to_context`` cuts them) through the scheduler and the ideal pipeline; each request
+    generates its output length."""
     if config.enable_prefix_caching:
         raise ValueError("the simulation's prompts are placeholders: prefix caching would share them all")
-    sim = _Simulation(config, pipe, num_blocks, block_size)
+    sim = _Simulation(config, pipe, max_model_len, num_blocks, block_size)
     pending = deque(sorted(specs, key=lambda s: s.arrival_s))
     while pending or sim.scheduler.has_unfinished_requests():
         while pending and pending[0].arrival_s <= sim.clock:
@@ -159,11 +159,12 @@ def simulate(specs: Sequence[RequestSpec], config: SchedulerConfig, pipe: Pipeli
 class _Simulation:
     """The engine loop (``LLMEngine.step``) over the ideal pipeline, on a virtual clock."""
 
-    def __init__(self, config: SchedulerConfig, pipe: Pipeline, num_blocks: int, block_size: int) -> None:
+    def __init__(self, config: SchedulerConfig, pipe: Pipeline, max_model_len: int, num_blocks: int,
+                 block_size: int) -> None:
         par = pipe.parallel
-        config = dataclasses.replace(config, **par.scheduler_feedback)
+        limits = SchedulerLimits(max_model_len=max_model_len, **par.scheduler_feedback)
         self.pipe, self.clock = pipe, 0.0
-        self.scheduler = Scheduler(config, num_blocks=num_blocks, block_size=block_size,
+        self.scheduler = Scheduler(config, limits=limits, num_blocks=num_blocks, block_size=block_size,
                                    cost_model=pipe.cost_model if config.time_budget_s else None,
                                    clock=lambda: self.clock)
         self.timelines = [StageTimeline(stage=s, rank=s) for s in range(par.pp)]
@@ -243,7 +244,7 @@ def time_budget(cost_model: CostModel, tokens: int) -> float:
     return cost_model.predict(Work.of([(1536, tokens - 32)] + [(2000, 1)] * 32))
 
 
-def scheduler_config(run: str, cost_model: CostModel, max_model_len: int) -> SchedulerConfig:
+def scheduler_config(run: str, cost_model: CostModel) -> SchedulerConfig:
     """The policy's configs/scheduler YAML (what ``pipeserve bench scheduler=NAME`` runs), with
     ``sarathi:N`` an N-token budget and ``sarathi:timeN`` the time budget of an N-token
     micro-batch; ``,field=value`` after it overrides a field (``orca,balance_decodes=false``)."""
@@ -254,7 +255,7 @@ def scheduler_config(run: str, cost_model: CostModel, max_model_len: int) -> Sch
     path = _SCHEDULER_CONFIGS / f"{policy}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown policy {policy!r}: no {path.name} in configs/scheduler")
-    fields = {**yaml.safe_load(path.read_text()), "max_model_len": max_model_len}
+    fields = yaml.safe_load(path.read_text())
     if budget and policy != "sarathi":
         raise ValueError(f"{run!r}: budgets are sarathi's (sarathi:N, sarathi:timeN)")
     if budget.startswith("time"):
@@ -310,7 +311,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         pipe = Pipeline(cost_model=cost_model, layer_shares=shares, head_s=head_s, hop_s=args.hop_us * 1e-6,
                         parallel=ParallelConfig(pp=args.pp, token_feedback=not args.no_feedback,
                                                 decode_groups=args.decode_groups))
-        configs = {run: scheduler_config(run, cost_model, shape.max_position_embeddings) for run in args.runs}
+        configs = {run: scheduler_config(run, cost_model) for run in args.runs}
     except ValueError as e:
         p.error(str(e))
     print(f"ideal pp={args.pp} pipeline: layer shares {', '.join(f'{s:.3f}' for s in shares)}, "
@@ -323,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                   max_output_len=args.max_output_len, seed=args.seed)
         specs, _ = fit_to_context(build_workload(workload), shape.max_position_embeddings)
         for run, config in configs.items():
-            sim_run = simulate(specs, config, pipe)
+            sim_run = simulate(specs, config, pipe, max_model_len=shape.max_position_embeddings)
             if args.trace_dir:
                 sim_run.write(os.path.join(args.trace_dir, f"{rate:g}-{run.replace(':', '-').replace(',', '-')}"))
             out = sim_run.summary()

@@ -49,7 +49,7 @@ from pipeserve.runtime.engine.executor import Sampled, SampleRequest
 from pipeserve.runtime.model.loader import LoadedModel, read_config_and_tokenizer
 from pipeserve.runtime.engine.outputs import RequestOutputKind
 from pipeserve.scheduler.sampling_params import SamplingParams
-from pipeserve.scheduler import Request, Scheduler, SchedulerConfig, SchedulerOutput
+from pipeserve.scheduler import Request, Scheduler, SchedulerConfig, SchedulerLimits, SchedulerOutput
 
 PlanBuilder = Callable[[SchedulerOutput], object]
 
@@ -64,10 +64,11 @@ def make_scheduler(num_requests: int, prompt_len: int, num_steps: int, *, block_
     max_model_len = prompt_len + block_size + 2 * num_steps  # the timed and the warm-up steps
     config = SchedulerConfig(
         policy="sarathi", max_num_batched_tokens=num_requests * (prompt_len + block_size),
-        max_num_seqs=num_requests, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
+        max_num_seqs=num_requests, enable_prefix_caching=prefix_caching,
     )
     num_blocks = num_requests * -(-max_model_len // block_size)
-    scheduler = Scheduler(config, num_blocks=num_blocks, block_size=block_size)
+    scheduler = Scheduler(config, limits=SchedulerLimits(max_model_len=max_model_len), num_blocks=num_blocks,
+                          block_size=block_size)
     rng = random.Random(0)
     for i in range(num_requests):
         prompt = [rng.randrange(32000) for _ in range(prompt_len + i % block_size)]
@@ -194,7 +195,7 @@ def make_engine(num_requests: int, prompt_len: int, num_steps: int, *, block_siz
     max_model_len = prompt_len + block_size + 2 * num_steps + 8
     scheduler = SchedulerConfig(
         policy="sarathi", max_num_batched_tokens=num_requests * (prompt_len + block_size),
-        max_num_seqs=num_requests, max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
+        max_num_seqs=num_requests, enable_prefix_caching=prefix_caching,
     )
     config = EngineConfig(device="cpu", dtype="float32", block_size=block_size, max_model_len=max_model_len,
                           num_kv_blocks=num_requests * -(-max_model_len // block_size), scheduler=scheduler)

@@ -14,6 +14,7 @@ from pipeserve.runtime.bench.workload import RequestSpec
 from pipeserve.scheduler import CostModel, SchedulerConfig
 
 MS = 1e-3
+LEN = 2048  # the engine's context cap (SchedulerLimits.max_model_len) in the simulations
 FLAT = CostModel(per_token=0.0, per_attn=0.0, per_seq=0.0, fixed=1 * MS)  # every step 1 ms
 
 
@@ -28,7 +29,7 @@ def test_one_request_alternates_the_stages():
     and back to the engine, 1.2 ms; a second request arriving meanwhile is scheduled only when
     the engine has that result (it waits on it), and every stage idles beyond half the wall."""
     run = sim.simulate([RequestSpec(0, 0.0, 10, 3), RequestSpec(1, 0.3 * MS, 10, 1)], SchedulerConfig(),
-                       pipe(hop_s=0.1 * MS))
+                       pipe(hop_s=0.1 * MS), max_model_len=LEN)
     first, second = run.requests
     assert first.token_times == pytest.approx([1.2 * MS, 2.4 * MS, 3.6 * MS])
     assert (first.first_token, first.finished, first.num_output_tokens) == (
@@ -49,13 +50,13 @@ def test_fed_decodes_wait_for_their_ids():
     (every span starts where the stage's previous one ended); with a hop each fed micro-batch
     starts on stage 0 exactly when its ids arrive, or when stage 0 is free."""
     specs = [RequestSpec(0, 0.0, 4, 40), RequestSpec(1, 0.0, 4, 40)]
-    run = sim.simulate(specs, SchedulerConfig(), pipe())
+    run = sim.simulate(specs, SchedulerConfig(), pipe(), max_model_len=LEN)
     for timeline in run.timelines:
         later = timeline.spans[3:]  # after the prompt step and the first unfed decodes
         assert all(b.start == pytest.approx(a.end) for a, b in zip(later, later[1:]))
     assert [r.num_output_tokens for r in run.requests] == [40, 40]
     hop = 0.2 * MS
-    run = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=hop))
+    run = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=hop), max_model_len=LEN)
     stage0, stage1 = run.timelines
     last_end = {s.step_id: s.end for s in stage1.spans}
     fed = [s for s in stage0.spans if run.fed_from[s.step_id]]
@@ -78,8 +79,9 @@ def test_a_third_decode_group_hides_the_ids_trip():
         spans = run.timelines[0].spans[6:]  # past the prompts and the first, unfed decodes
         return sum(b.start - a.end for a, b in zip(spans, spans[1:]))
 
-    two = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS))
-    three = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}))
+    two = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS), max_model_len=LEN)
+    three = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}),
+                         max_model_len=LEN)
     assert {s.step_id - src for s in two.timelines[0].spans for src in two.fed_from[s.step_id]} == {2}
     assert {s.step_id - src for s in three.timelines[0].spans for src in three.fed_from[s.step_id]} == {3}
     # Past the first six spans, 26 pairs of decode steps, each waiting 0.4 ms (two hops) on stage 0.
@@ -87,7 +89,8 @@ def test_a_third_decode_group_hides_the_ids_trip():
     assert stage0_idle(three) == pytest.approx(0.0, abs=1e-9)
     assert [r.num_output_tokens for r in three.requests] == [30] * 3
     # Two requests fill only two groups: they decode in two, fed from two steps back.
-    pair = sim.simulate(specs[:2], SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}))
+    pair = sim.simulate(specs[:2], SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}),
+                        max_model_len=LEN)
     assert {s.step_id - src for s in pair.timelines[0].spans for src in pair.fed_from[s.step_id]} == {2}
 
 
@@ -103,8 +106,8 @@ def test_spans_respect_every_dependency():
     cost = CostModel(per_token=1.4e-5, per_attn=2.4e-9, per_seq=5e-7, fixed=3.9 * MS, per_kv=3.2e-8, knee_tokens=93)
     hop, head = 50e-6, 0.1 * MS
     for run_name in ("sarathi:128", "sarathi:time256", "orca", "vllm"):
-        run = sim.simulate(specs, sim.scheduler_config(run_name, cost, 8192),
-                           pipe((0.45, 0.55), cost_model=cost, hop_s=hop, head_s=head))
+        run = sim.simulate(specs, sim.scheduler_config(run_name, cost),
+                           pipe((0.45, 0.55), cost_model=cost, hop_s=hop, head_s=head), max_model_len=8192)
         assert sorted(r.request_id for r in run.requests) == sorted(str(s.index) for s in specs)
         stage0, stage1 = run.timelines
         last_end = {s.step_id: s.end for s in stage1.spans}
@@ -139,20 +142,21 @@ def test_time_budget_and_policy_configs():
     assert sim.time_budget(cost, 128) == pytest.approx(1 * MS + 128 * 1e-5)
     with pytest.raises(ValueError, match="32 decodes"):
         sim.time_budget(cost, 32)
-    assert sim.scheduler_config("sarathi:128", cost, 4096).max_num_batched_tokens == 128
-    timed = sim.scheduler_config("sarathi:time128", cost, 4096)
+    assert sim.scheduler_config("sarathi:128", cost).max_num_batched_tokens == 128
+    timed = sim.scheduler_config("sarathi:time128", cost)
     assert timed.time_budget_s == pytest.approx(sim.time_budget(cost, 128)) and timed.max_num_batched_tokens == 4096
     # The policies' own YAML, as `pipeserve bench scheduler=orca` runs them.
-    orca = sim.scheduler_config("orca", cost, 4096)
-    assert (orca.policy, orca.max_num_batched_tokens, orca.max_model_len) == ("orca", 8192, 4096)
-    unbalanced = sim.scheduler_config("orca,balance_decodes=false,max_num_seqs=64", cost, 4096)
+    orca = sim.scheduler_config("orca", cost)
+    assert (orca.policy, orca.max_num_batched_tokens) == ("orca", 8192)
+    unbalanced = sim.scheduler_config("orca,balance_decodes=false,max_num_seqs=64", cost)
     assert (unbalanced.balance_decodes, unbalanced.max_num_seqs, unbalanced.max_num_batched_tokens) == (False, 64, 8192)
+    # The context cap is the engine's (the simulation's max_model_len), never a scheduler field.
     for bad, message in (("fifo", "unknown policy"), ("orca:128", "sarathi's"), ("orca,speed=1", "field=value"),
-                         ("orca,balance_decodes", "field=value")):
+                         ("orca,balance_decodes", "field=value"), ("orca,max_model_len=4096", "field=value")):
         with pytest.raises(ValueError, match=message):
-            sim.scheduler_config(bad, cost, 4096)
+            sim.scheduler_config(bad, cost)
     with pytest.raises(ValueError, match="prefix caching"):
-        sim.simulate([], SchedulerConfig(enable_prefix_caching=True), pipe())
+        sim.simulate([], SchedulerConfig(enable_prefix_caching=True), pipe(), max_model_len=LEN)
 
 
 def test_command_line(tmp_path, capsys):

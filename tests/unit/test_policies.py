@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig
+from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerLimits
 from pipeserve.scheduler.policies import make_policy
 
 
@@ -11,8 +11,8 @@ def make_requests(*prompt_lens: int) -> list[Request]:
 
 
 def make_scheduler(policy: str, **config) -> Scheduler:
-    cfg = SchedulerConfig(policy=policy, **{"max_model_len": 64, **config})
-    return Scheduler(cfg, num_blocks=64, block_size=4, debug_checks=True)
+    cfg = SchedulerConfig(policy=policy, **config)
+    return Scheduler(cfg, limits=SchedulerLimits(max_model_len=64), num_blocks=64, block_size=4, debug_checks=True)
 
 
 def step(sched: Scheduler) -> list[tuple[str, int]]:

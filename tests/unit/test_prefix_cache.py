@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeserve.scheduler import BlockManager, Request, RequestStatus, Scheduler, SchedulerConfig
+from pipeserve.scheduler import BlockManager, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerLimits
 from pipeserve.scheduler.prefix_cache import PrefixCache, hash_block, hash_blocks
 
 BS = 4
@@ -31,10 +31,9 @@ def shared_prefix_requests(num: int, prefix_len: int, suffix_len: int, *, num_pr
 
 
 def make_scheduler(*, num_blocks=64, max_model_len=64, caching=True, grouping=False, **config) -> Scheduler:
-    cfg = SchedulerConfig(
-        max_model_len=max_model_len, enable_prefix_caching=caching, prefix_grouping=grouping, **config
-    )
-    return Scheduler(cfg, num_blocks=num_blocks, block_size=BS, clock=lambda: 0.0, debug_checks=True)
+    cfg = SchedulerConfig(enable_prefix_caching=caching, prefix_grouping=grouping, **config)
+    return Scheduler(cfg, limits=SchedulerLimits(max_model_len=max_model_len), num_blocks=num_blocks, block_size=BS,
+                     clock=lambda: 0.0, debug_checks=True)
 
 
 def fill(bm: BlockManager, r: Request) -> list[int]:

@@ -10,6 +10,7 @@ from pipeserve.scheduler import (
     RequestStatus,
     Scheduler,
     SchedulerConfig,
+    SchedulerLimits,
     SchedulerOutput,
     Work,
 )
@@ -33,9 +34,10 @@ def make_scheduler(
     max_model_len: int = 64,
     **config,
 ) -> Scheduler:
-    cfg = SchedulerConfig(policy=policy, max_model_len=max_model_len, **config)
+    cfg = SchedulerConfig(policy=policy, **config)
     return Scheduler(
         cfg,
+        limits=SchedulerLimits(max_model_len=max_model_len),
         num_blocks=num_blocks,
         block_size=block_size,
         cost_model=cost_model,
@@ -470,7 +472,6 @@ def test_constructor_validation():
         {"policy": "fifo"},
         {"max_num_batched_tokens": 0},
         {"max_num_seqs": -1},
-        {"max_model_len": 1.5},
         {"time_budget_s": 0.0},
         {"time_budget_s": 0.01, "policy": "vllm"},
         {"allow_same_request_in_consecutive_chunks": 1},
@@ -479,3 +480,8 @@ def test_constructor_validation():
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)
+
+
+def test_limits_validation():
+    with pytest.raises(ValueError):
+        SchedulerLimits(max_model_len=1.5)
