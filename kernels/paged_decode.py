@@ -7,7 +7,7 @@ Why: ``paged_attention`` runs one program per (sequence, KV head) for a decode b
 walking its whole context alone. A few decodes over long contexts then leave most of the GPU
 idle while a handful of programs walk thousands of keys one tile after another: on an H200 a
 32-layer Llama-3-8B step of one decode took 5.2 ms at 512 tokens of context and 8.3 ms at
-4,096, where reading that KV takes 0.1 ms (BENCHMARKS.md, the ninth session's profile). Here
+4,096, where reading that KV takes 0.1 ms (measured with torch.profiler). Here
 each (sequence, KV head) is cut into ``num_splits`` ranges of whole key tiles, each range a
 program of its own (``_split_kernel``: its partial softmax state, the max and sum in log2 units
 and the unnormalized output), and ``_combine_kernel`` merges a sequence's ranges.
@@ -136,8 +136,8 @@ def split_count(num_programs: int, num_sms: int) -> int:
     """Ranges per (sequence, KV head) for a decode batch of ``num_programs`` unsplit programs.
 
     A batch whose programs would occupy at least half the SMs is left whole (1): at 32 decodes
-    of Llama-3-8B on an H200 (256 programs) two ranges each made the step slower (the ninth
-    session's call kv1). Smaller ones get at least two programs per SM (2-4: the count is
+    of Llama-3-8B on an H200 (256 programs) two ranges each made the step slower (measured).
+    Smaller ones get at least two programs per SM (2-4: the count is
     rounded up to a power of two, for the combine's arange), at most MAX_SPLITS ranges. It
     depends on the batch's shape only, not on its contexts (a captured graph keeps it): short
     contexts get mostly empty ranges, each a program that stores an empty state and returns.

@@ -74,7 +74,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 # cuDNN's SDPA builds an execution plan for every new shape, and every prefill chunk has a new
-# shape: on an H200 that cost ~1.3 ms of host time per call (BENCHMARKS.md, profile). The
+# shape: on an H200 that cost ~1.3 ms of host time per call (measured with torch.profiler). The
 # flash / memory-efficient kernels have no per-shape plan.
 _GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
