@@ -101,7 +101,6 @@ class BatchBuilder:
         self._arrival_order = arrival_order
         self._select_victim = select_victim
         self._allow_prompt_over_budget = allow_prompt_over_budget
-        self._consecutive_ok = config.allow_same_request_in_consecutive_chunks
         self._caching = block_manager.enable_caching
         self._now = now
         self._admission_gate = admission_gate
@@ -185,13 +184,8 @@ class BatchBuilder:
         return [r for r in self.running if r.num_remaining_tokens > 1 and unblocked(r)]
 
     def chunk_size(self, request: Request) -> int:
-        """Most tokens of ``request`` that fit this micro-batch's token (or time) budget; with
-        a time budget and ``even_chunks``, its share of an even split (``_even_chunk``)."""
-        remaining = request.num_remaining_tokens
-        n = self._fit(request, remaining)
-        if 0 < n < remaining and self.config.even_chunks and self.config.time_budget_s is not None:
-            n = self._even_chunk(request.num_computed_tokens, remaining, n)
-        return n
+        """Most tokens of ``request`` that fit this micro-batch's token (or time) budget."""
+        return self._fit(request, request.num_remaining_tokens)
 
     def fits_whole(self, request: Request) -> bool:
         """Can all of ``request``'s remaining tokens join (whole-prompt policies)?"""
@@ -341,13 +335,13 @@ class BatchBuilder:
         return request.num_tokens + pending < self.limits.max_model_len
 
     def _is_unblocked(self, request: Request) -> bool:
-        """Running, not awaiting its sampled token, not in this batch already, and not behind
-        an in-flight chunk (unless consecutive chunks are allowed)."""
+        """Running, not awaiting its sampled token and not in this batch already. A prompt's
+        next chunk may follow one still in flight: each stage runs micro-batches in order, so
+        the earlier chunk's KV is there in time (Sarathi-Serve waits for it, and loses TTFT
+        with deep pipelines)."""
         if request.status is not RequestStatus.RUNNING or request.awaiting_token:
             return False
-        if request.request_id in self._ids:
-            return False
-        return self._consecutive_ok or request.num_inflight_chunks == 0
+        return request.request_id not in self._ids
 
     def _cached_blocks(self, request: Request) -> list[int]:
         """The head's cache hit, as ``peek_waiting`` counted it (nothing changed since)."""
@@ -421,30 +415,6 @@ class BatchBuilder:
 
     def _arrival_key(self, request: Request) -> int:
         return self._arrival_order[request.request_id]
-
-    def _even_chunk(self, num_computed: int, remaining: int, n: int) -> int:
-        """ceil(remaining / k), where k chunks are what full ones (``n`` now, then the most that
-        fit at each later prefix) would take, if each chunk of that even split fits too; else
-        ``n``. Later chunks are judged beside what this micro-batch holds besides the request
-        (the best guess of the micro-batches to come), so the split never takes more chunks
-        than filling each one would: with an attention term a later chunk fits fewer tokens,
-        and an even split of the tokens alone would need one more."""
-        budget = self.config.time_budget_s
-        limit = self.config.max_num_batched_tokens - self.num_tokens
-        assert budget is not None and self.cost_model is not None
-        k, computed, left = 1, num_computed + n, remaining - n
-        while left > 0:
-            q = self._largest_within_time(computed, min(left, limit), budget)
-            if q == 0:
-                return n
-            k, computed, left = k + 1, computed + q, left - q
-        computed, left, base = num_computed, remaining, self.work()
-        for i in range(k):  # the even split's chunks, each on its own
-            q = -(-left // (k - i))
-            if q > limit or self.cost_model.predict(base.plus(computed, q)) > budget:
-                return n
-            computed, left = computed + q, left - q
-        return -(-remaining // k)
 
     def _largest_within_time(self, num_computed: int, limit: int, budget: float) -> int:
         """Largest q in [0, limit] whose batch prediction stays within ``budget`` (bisection).

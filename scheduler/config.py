@@ -31,23 +31,9 @@ class SchedulerConfig:
     """Sarathi only: fill each micro-batch up to this *predicted* time (cost model) instead of
     the token budget; max_num_batched_tokens still caps the tokens."""
 
-    even_chunks: bool = False
-    """With time_budget_s: cut a prompt into equal chunks instead of full chunks and a short
-    remainder, as many as full ones would take (each judged beside what the micro-batch holds
-    besides the prompt), so that its micro-batches vary less. The token budget keeps
-    Sarathi-Serve's rule. Off by default: the first version (ninth session, call cm2) lowered
-    the spans' CV but took 7% more prompt micro-batches (it counted chunks at the first chunk's
-    size); this one keeps the count (+1.4%, tenth session, call kv3) and brought the spans' CV
-    from 0.20 to 0.14, but the bubbles did not move."""
-
     cost_model_path: str | None = None
     """JSON profile written by `pipeserve profile` (CostModel coefficients). Read by the engine,
     never here; None with time_budget_s set means CostModel.analytic_default() (CPU scale)."""
-
-    allow_same_request_in_consecutive_chunks: bool = True
-    """Let a prompt's next chunk enter the next micro-batch while the previous chunk is still
-    in flight (each stage runs micro-batches in order, so the earlier chunk's KV is there in
-    time). False restores Sarathi-Serve's rule: one chunk per request in flight."""
 
     enable_prefix_caching: bool = False
     """Automatic prefix caching (vLLM's APC): full KV blocks are indexed by a chained hash of
@@ -91,8 +77,7 @@ class SchedulerConfig:
                 raise ValueError(f"time_budget_s must be > 0, got {self.time_budget_s!r}")
         if self.cost_model_path is not None and not isinstance(self.cost_model_path, str):
             raise ValueError(f"cost_model_path must be a path string, got {self.cost_model_path!r}")
-        for name in ("allow_same_request_in_consecutive_chunks", "enable_prefix_caching", "prefix_grouping",
-                     "balance_decodes", "even_chunks"):
+        for name in ("enable_prefix_caching", "prefix_grouping", "balance_decodes"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool")
         if self.prefix_grouping and not self.enable_prefix_caching:

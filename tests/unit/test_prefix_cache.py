@@ -305,12 +305,10 @@ def test_shared_prefixes_finish_with_reference_outputs(policy, depth):
 
 
 @pytest.mark.parametrize("depth", [1, 3])
-@pytest.mark.parametrize("allow_consecutive", [True, False])
-def test_tiny_pool_evicts_and_preempts_with_reference_outputs(depth, allow_consecutive):
+def test_tiny_pool_evicts_and_preempts_with_reference_outputs(depth):
     requests = shared_prefix_requests(10, prefix_len=10, suffix_len=4, num_prefixes=3)
     sched = make_scheduler(
         num_blocks=9, max_model_len=32, max_num_batched_tokens=8,
-        allow_same_request_in_consecutive_chunks=allow_consecutive,
     )
     stats = drive(sched, requests, num_outputs=9, depth=depth)
     assert {r.request_id: r.output_token_ids for r in requests} == reference_outputs(requests, 9)

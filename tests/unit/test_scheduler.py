@@ -92,9 +92,6 @@ def drive(sched: Scheduler, requests, *, num_outputs, depth=1, max_steps=5_000) 
         assert inflight or not out.is_empty, "scheduler stalled with nothing in flight"
         awaiting = {s.request_id for o in inflight for s in o.scheduled if s.needs_sample}
         assert not awaiting & {s.request_id for s in out.scheduled}, "decode scheduled twice"
-        if not sched.config.allow_same_request_in_consecutive_chunks:
-            busy = {s.request_id for o in inflight for s in o.scheduled}
-            assert not busy & {s.request_id for s in out.scheduled}
         if not out.is_empty:
             inflight.append(out)
         if inflight and (len(inflight) >= depth or out.is_empty):
@@ -179,19 +176,6 @@ def test_next_chunk_schedulable_before_update_when_allowed():
     assert r.output_token_ids == [9] and r.num_inflight_chunks == 0
 
 
-def test_next_chunk_waits_for_update_when_not_allowed():
-    sched = make_scheduler(
-        max_num_batched_tokens=16, allow_same_request_in_consecutive_chunks=False
-    )
-    (r,) = make_requests(40)
-    sched.add_request(r)
-    first = sched.schedule()
-    assert chunks(first) == [("r0", 16)]
-    assert sched.schedule().is_empty
-    sched.update(first, {})
-    assert chunks(sched.schedule()) == [("r0", 16)]
-
-
 def test_decode_never_in_two_outputs_before_update():
     sched = make_scheduler()
     (r,) = make_requests(4)
@@ -262,8 +246,7 @@ def test_no_victim_means_request_waits():
 
 
 @pytest.mark.parametrize("depth", [1, 3])
-@pytest.mark.parametrize("allow_consecutive", [True, False])
-def test_tiny_pool_everything_finishes_with_reference_outputs(depth, allow_consecutive):
+def test_tiny_pool_everything_finishes_with_reference_outputs(depth):
     prompt_lens = (9, 14, 5, 11, 7, 12)
     num_outputs = {f"r{i}": n for i, n in enumerate((6, 3, 9, 5, 8, 4))}
     sched = make_scheduler(
@@ -271,7 +254,6 @@ def test_tiny_pool_everything_finishes_with_reference_outputs(depth, allow_conse
         block_size=4,
         max_model_len=28,
         max_num_batched_tokens=8,
-        allow_same_request_in_consecutive_chunks=allow_consecutive,
     )
     requests = make_requests(*prompt_lens)
     stats = drive(sched, requests, num_outputs=num_outputs, depth=depth)
@@ -306,7 +288,7 @@ def test_time_budget_fills_target_and_chunks_shrink_as_prefix_grows():
     budget = 2e-3
     sched = make_scheduler(
         num_blocks=64, max_model_len=256, max_num_batched_tokens=512, time_budget_s=budget,
-        cost_model=model, even_chunks=False,
+        cost_model=model,
     )
     (r,) = make_requests(200)
     sched.add_request(r)
@@ -338,32 +320,12 @@ def lone_prompt_chunks(**config) -> list[int]:
     return sizes
 
 
-def test_time_budget_even_chunks_split_a_prompt_equally():
-    """48 tokens fit the budget (1 ms a token): full chunks would leave an 8-token remainder;
-    even chunks cut the 200 tokens into as many (5) equal ones."""
+def test_time_budget_fills_full_chunks_and_the_token_budget_keeps_sarathis():
+    """48 tokens fit the budget (1 ms a token): full chunks, an 8-token remainder; the token
+    budget cuts the same way (Sarathi-Serve's rule)."""
     flat = dict(time_budget_s=48e-3, cost_model=CostModel(per_token=1e-3, per_attn=0.0, per_seq=0.0, fixed=0.0))
-    assert lone_prompt_chunks(**flat) == [48, 48, 48, 48, 8]  # (off by default)
-    assert lone_prompt_chunks(**flat, even_chunks=True) == [40, 40, 40, 40, 40]
-    # 7 chunks for 200 tokens at 30 a chunk: ceil(200 / 7) = 29, then what is left split again
-    assert lone_prompt_chunks(**dict(flat, time_budget_s=30e-3), even_chunks=True) == [29, 29, 29, 29, 28, 28, 28]
-    # the token budget keeps Sarathi-Serve's full chunks
-    assert lone_prompt_chunks(max_num_batched_tokens=48, even_chunks=True) == [48, 48, 48, 48, 8]
-
-
-def test_even_chunks_never_take_more_micro_batches():
-    """With an attention term a later chunk fits fewer tokens: an even split of the tokens at the
-    first chunk's size would need one more chunk. Even chunks keep the count of full ones, each
-    within the budget, and vary less."""
-    model = CostModel(per_token=1e-4, per_attn=1e-6, per_seq=0.0, fixed=1e-3)
-    budget = model.predict(Work.of([(0, 48)]))
-    full = lone_prompt_chunks(time_budget_s=budget, cost_model=model)
-    even = lone_prompt_chunks(time_budget_s=budget, cost_model=model, even_chunks=True)
-    assert sum(even) == sum(full) == 200 and len(even) == len(full) == 7
-    assert max(even) - min(even) < max(full) - min(full) and min(even) > min(full)
-    done = 0
-    for q in even:
-        assert model.predict(Work.of([(done, q)])) <= budget
-        done += q
+    assert lone_prompt_chunks(**flat) == [48, 48, 48, 48, 8]
+    assert lone_prompt_chunks(max_num_batched_tokens=48) == [48, 48, 48, 48, 8]
 
 
 def test_predicted_time_counts_every_sequence_of_the_batch():
@@ -474,7 +436,7 @@ def test_constructor_validation():
         {"max_num_seqs": -1},
         {"time_budget_s": 0.0},
         {"time_budget_s": 0.01, "policy": "vllm"},
-        {"allow_same_request_in_consecutive_chunks": 1},
+        {"balance_decodes": 1},
     ],
 )
 def test_config_validation(kwargs):
