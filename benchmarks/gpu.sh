@@ -114,18 +114,15 @@ sharegpt() {  # ~9 min (FastGen alone ~6): run it alone, after peers built FastG
     $TOK_TOOL --workdir "$MODEL_DIR" --out "$DIR/sharegpt.json"
 }
 
-scaling() {  # ~9 min: six runs of 1-2 min (start-up and graph capture included)
+scaling() {  # ~5 min: six runs of about 45 s (start-up and graph capture included)
   need_gpus 2 || return 0
-  local common="workload=uniform workload.arrival=offline scheduler.max_num_batched_tokens=2048 scheduler.max_num_seqs=256"
-  local short_out="workload.num_requests=256 workload.min_prompt_len=128 workload.max_prompt_len=2048
-    workload.min_output_len=256 workload.max_output_len=256"
-  local long_out="workload.num_requests=128 workload.min_prompt_len=1000 workload.max_prompt_len=1200
-    workload.min_output_len=1600 workload.max_output_len=1800"
+  # Through the public LLM(...) API (benchmarks/throughput.py, this checkout's copy), so an older
+  # TREE runs the same measurement.
   local w
-  for w in short_out long_out; do
-    bench "scaling-${w/_/-}-1gpu" 180 0 $common ${!w}
-    bench "scaling-${w/_/-}-pp2" 180 0,1 $common ${!w} parallel.pp=2
-    bench "scaling-${w/_/-}-tp2" 180 0,1 $common ${!w} parallel.tp=2
+  for w in uniform decode-heavy; do
+    run "scaling-$w-1gpu" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" --tokenizer "$TOK"
+    run "scaling-$w-pp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" --tokenizer "$TOK" --pp 2
+    run "scaling-$w-tp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" --tokenizer "$TOK" --tp 2
   done
 }
 

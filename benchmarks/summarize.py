@@ -91,7 +91,17 @@ def sharegpt(folder: str):
 
 # ---- pipeserve bench: scaling, capacity, bubbles -------------------------------------------------
 
-SCALING_WORKLOADS = {"short-out": "short outputs", "long-out": "long outputs"}  # as BENCHMARKS.md names them
+SCALING_WORKLOADS = {"uniform": "256 requests, 256 out", "decode-heavy": "128 requests, ~1.7k out"}
+
+
+def throughput_result(folder: str, name: str) -> dict | None:
+    """The RESULT line of a benchmarks/throughput.py log."""
+    try:
+        with open(os.path.join(folder, f"{name}.log")) as f:
+            lines = [line for line in f if line.startswith("RESULT ")]
+    except OSError:
+        return None
+    return json.loads(lines[-1][len("RESULT "):]) if lines else None
 
 
 def scaling(folder: str):
@@ -99,20 +109,15 @@ def scaling(folder: str):
     for workload, label in SCALING_WORKLOADS.items():
         one = None
         for layout, name in (("1gpu", "1 GPU"), ("pp2", "pp=2"), ("tp2", "tp=2")):
-            r = bench_result(folder, f"scaling-{workload}-{layout}")
+            r = throughput_result(folder, f"scaling-{workload}-{layout}")
             if r is None:
-                rows.append([name, label, "no result", "", "", ""])
+                rows.append([name, label, "no result", "", ""])
                 continue
-            thr = r["throughput"]
-            one = thr["total_tokens_per_s"] if layout == "1gpu" else one
-            ratio = f"{thr['total_tokens_per_s'] / one:.2f}" if one else "-"
-            rows.append([name, label,
-                         f"{thr['output_tokens_per_s']:,.0f}", f"{thr['total_tokens_per_s']:,.0f}", ratio,
-                         f"{r['tbt_s']['p99'] * 1e3:.0f}" if r["tbt_s"].get("p99") is not None else "-"])
-            figures[f"{workload}-{layout}"] = {"output_tokens_per_s": thr["output_tokens_per_s"],
-                                               "total_tokens_per_s": thr["total_tokens_per_s"],
-                                               "wall_s": thr["wall_s"], "tbt_p99_s": r["tbt_s"].get("p99")}
-    return table(["layout", "workload", "output tok/s", "total tok/s", "total / 1 GPU", "P99 TBT ms"], rows), figures
+            one = r["total_tok_s"] if layout == "1gpu" else one
+            ratio = f"{r['total_tok_s'] / one:.2f}" if one else "-"
+            rows.append([name, label, f"{r['output_tok_s']:,.0f}", f"{r['total_tok_s']:,.0f}", ratio])
+            figures[f"{workload}-{layout}"] = r
+    return table(["layout", "workload", "output tok/s", "total tok/s", "total / 1 GPU"], rows), figures
 
 
 def capacity(folder: str):

@@ -1,0 +1,90 @@
+"""Offline throughput of one layout through the public ``LLM`` API, the way a user measures it:
+
+    python benchmarks/throughput.py --tokenizer .whl/gpt2_tokenizer.json [--tp 2] [--pp 2] [--workload decode-heavy]
+
+A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``; throughput does not
+depend on the values), prompts of random token ids, every request the same number of output
+tokens (EOS ignored), all submitted at once. It uses nothing but ``pipeserve.LLM`` and
+``SamplingParams``, so it runs unchanged against an older checkout (``TREE=`` in gpu.sh) for a
+same-run before/after. Prints one JSON line (``RESULT {...}``): wall seconds, output and total
+tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=50304,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    torch_dtype="bfloat16", bos_token_id=50256, eos_token_id=50256,
+)
+WORKLOADS = {  # name: (requests, prompt range, output tokens)
+    "uniform": (256, (128, 2048), 256),
+    "decode-heavy": (128, (1000, 1200), 1700),
+    "peers": (64, (128, 2048), 128),
+}
+
+
+def model_folder(tokenizer: str, num_layers: int) -> str:
+    folder = tempfile.mkdtemp(prefix="pipeserve-llama3-8b-")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(dict(LLAMA3_8B, num_hidden_layers=num_layers), f)
+    shutil.copy(tokenizer, os.path.join(folder, "tokenizer.json"))
+    return folder
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokenizer", required=True, help="a tokenizer.json of at most 50304 entries (GPT-2's)")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-layers", type=int, default=32, help="fewer for a quick check")
+    p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
+    args = p.parse_args(argv)
+
+    from pipeserve import LLM, SamplingParams
+
+    num_requests, (lo, hi), out_len = WORKLOADS[args.workload]
+    num_requests = args.num_requests or num_requests
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(50000) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    folder = model_folder(args.tokenizer, args.num_layers)
+    t0 = time.perf_counter()
+    llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens,
+              max_num_seqs=args.max_num_seqs, max_model_len=4096, tensor_parallel_size=args.tp,
+              pipeline_parallel_size=args.pp)
+    start_s = time.perf_counter() - t0
+    try:
+        # One small round first: kernels and allocations that appear only at run time.
+        llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+    finally:
+        llm.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    result = {"workload": args.workload, "tp": args.tp, "pp": args.pp, "requests": num_requests,
+              "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
+              "output_tok_s": round(out_tokens / wall, 1), "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1),
+              "start_s": round(start_s, 1)}
+    print("RESULT " + json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
