@@ -36,8 +36,8 @@ class ParallelConfig:
     not wait for the engine's round trip (``parallel/feedback.py``). A request still decodes
     at most once per ``pp`` micro-batches (per ``decode_groups`` while enough requests decode to
     fill them). A request that stops (EOS, a stop string) may have one decode more computed
-    and dropped. Measured at pp=2 on 2 × H200 (BENCHMARKS.md): sarathi's bubbles while loaded
-    17.6%/23.4% → 12.3%/14.7% per stage, orca's 56% → 30–40%."""
+    and dropped. At pp=2 on 2 × H200 it took sarathi's bubbles while loaded from 17.6% / 23.4%
+    to 12.3% / 14.7% per stage, and orca's from 56% to 30–40%."""
     decode_groups: int | None = None
     """With token feedback: how many groups the running requests decode in, each request once
     every this many micro-batches; None = pp. With pp groups a request's next decode follows the
@@ -47,11 +47,10 @@ class ParallelConfig:
     between tokens grows by groups/pp in steps (more requests share each micro-batch). Must be
     >= pp, and below ``num_microbatches_in_flight`` (default groups + 1). While fewer requests
     decode than fill the groups, the scheduler uses as many groups as they fill, at least pp
-    (``SchedulerLimits.min_feedback_distance``). Measured at pp=2 on 2 × H100 (Llama-3-8B shape,
-    arXiv at 8 req/s, time budget, half layers; BENCHMARKS.md, eleventh session, call rate4,
-    before the review's changes): three groups 1.2% / 3.0% bubbles against 6.0% / 8.8% with two
-    in an earlier call, P99 TBT 21 ms. Off (pp) by default until repeated at the landed code and
-    run through the GPU tests (``.ci/gpu_multi rate5``)."""
+    (``SchedulerLimits.min_feedback_distance``). At pp=2 (Llama-3-8B shape, arXiv at 8 req/s,
+    time budget, half-layer stages, 2 × H100) three groups left 1.2% / 3.0% bubbles per stage,
+    two 6.0% / 8.8% on another machine, P99 TBT 21 ms. Off (pp groups) by default until a
+    same-run comparison confirms it (``benchmarks/gpu.sh bubbles``)."""
     stage_layers: list[float] | None = None
     """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers);
     with ``half_layer_stages`` in multiples of 0.5 (e.g. [16.5, 15.5])."""
@@ -61,8 +60,9 @@ class ParallelConfig:
     layers a last stage whose head is worth most of a layer is slower by it on every decode
     step, and the others wait. The residual stream still travels as one tensor. Off by default:
     at pp=2 on 2 × H200 (Llama-3-8B shape, a 50k vocabulary: 16.5 / 15.5 layers) decode steps
-    came out even (2.60 / 2.59 ms against 2.53 / 2.65), but the idle moved to the other stage more
-    than it went away (BENCHMARKS.md, tenth session)."""
+    came out even (2.60 / 2.59 ms against 2.53 / 2.65), but in the same run the idle moved to the
+    other stage more than it went away; with three decode groups it has not been compared with
+    whole layers yet (``benchmarks/gpu.sh bubbles``)."""
     host: str | None = None
     """Address the engine binds its ZeroMQ sockets to; None = 127.0.0.1 on one node, the
     rendezvous host's interface (torchrun's MASTER_ADDR) across nodes. Never all interfaces."""
