@@ -1,8 +1,8 @@
 """A real Slurm on one host for tests: Debian's slurmctld, two slurmd "nodes" and munge.
 
-What ../shared/slurm/NOTES.md records as working on a machine like CI's (Debian 12, root, no
-systemd, no cgroups): install with `apt-get install --no-install-recommends`, start the daemons
-directly, run fake nodes `-N name` on one host (Debian's slurmd is built with MULTIPLE_SLURMD).
+What works on a machine like CI's (Debian 12, root, no systemd, no cgroups): install with
+`apt-get install --no-install-recommends`, start the daemons directly, run fake nodes
+`-N name` on one host (Debian's slurmd is built with MULTIPLE_SLURMD).
 Everything this cluster writes (config, state, spool, logs, sockets, pid files) lives in one
 temporary folder; its munged has a socket of its own, so a munged already running is never
 touched. The only change outside that folder is one /etc/hosts line naming the fake nodes,

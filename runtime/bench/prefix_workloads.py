@@ -1,7 +1,7 @@
 """Prefix-sharing workloads as token-id prompts (for benchmarks of prefix caching/grouping).
 
-- ``mooncake_requests``: the Mooncake trace (kvcache-ai/Mooncake, FAST'25; Apache-2.0; a copy is
-  in ``../shared/traces/mooncake``). Each row names its prompt's 512-token blocks by
+- ``mooncake_requests``: the Mooncake trace (kvcache-ai/Mooncake, FAST'25; Apache-2.0; see
+  ``configs/traces/ATTRIBUTION.md``). Each row names its prompt's 512-token blocks by
   ``hash_ids``; equal ids mean an equal prefix, so every id becomes one fixed run of token ids
   and prompts with equal ids get equal tokens. ``block_tokens`` shrinks a block for small
   runs (16 keeps the sharing structure at 1/32 of the length). pipeserve ships the trace as
@@ -31,7 +31,9 @@ DEFAULT_TOKEN_RANGE = (1000, 32000)
 """Token ids drawn from here: clear of the special tokens at either end of the usual Llama,
 Llama-3, Mistral and SmolLM2 vocabularies."""
 
-MOONCAKE_TRACE = Path(__file__).resolve().parents[1] / "configs" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE_DIR = Path(__file__).resolve().parents[2] / "configs" / "traces"
+"""The packaged traces (installed with pipeserve as package data; ATTRIBUTION.md there)."""
+MOONCAKE_TRACE = TRACE_DIR / "mooncake_synthetic_trace.jsonl"
 """The packaged copy of the trace (see configs/traces/ATTRIBUTION.md)."""
 MOONCAKE_NUM_ROWS = 3993
 """Requests (rows) in the trace."""

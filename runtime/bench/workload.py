@@ -31,14 +31,14 @@ import random
 from dataclasses import dataclass
 
 from pipeserve.runtime.bench.prefix_workloads import (
+    TRACE_DIR,
     mooncake_arrivals,
     mooncake_requests,
     shared_prefix_requests,
     token_range_for,
 )
 
-# Package data: installed with pipeserve (configs/traces, see ATTRIBUTION.md there).
-DEFAULT_TRACE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "traces")
+DEFAULT_TRACE_DIR = os.fspath(TRACE_DIR)  # package data: configs/traces (ATTRIBUTION.md there)
 
 LENGTH_TRACES = {
     "arxiv": "arxiv_summarization_stats_llama2_tokenizer_filtered_v2.csv",

@@ -11,10 +11,11 @@ import statistics
 
 import pytest
 
+from pipeserve import configs
 from pipeserve.runtime.bench import workload as W
 from pipeserve.runtime.bench.workload import WorkloadConfig, build_workload
 
-# Row counts from ../shared/traces/SOURCES.md (counted independently of the loader).
+# Row counts from configs/traces/ATTRIBUTION.md (counted independently of the loader).
 ROWS = {"arxiv": 28_257, "sharegpt": 30_731, "azure_code": 8_819, "azure_conv": 19_366}
 
 
@@ -140,9 +141,14 @@ def test_missing_trace_dir_is_a_clear_error(tmp_path):
         build_workload(WorkloadConfig(source="azure_code", arrival="trace", trace_dir=str(tmp_path)))
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(W.__file__), "..", "configs",
-                                                                  "workload", "*.yaml"))),
-                         ids=lambda p: os.path.basename(p))
+WORKLOAD_YAMLS = sorted(glob.glob(os.path.join(os.path.dirname(configs.__file__), "workload", "*.yaml")))
+
+
+def test_the_workload_configs_are_found():
+    assert len(WORKLOAD_YAMLS) >= 8, WORKLOAD_YAMLS  # (an empty list would skip the test below)
+
+
+@pytest.mark.parametrize("path", WORKLOAD_YAMLS, ids=lambda p: os.path.basename(p))
 def test_every_workload_config_builds(path):
     from omegaconf import OmegaConf
 

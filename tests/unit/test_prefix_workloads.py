@@ -6,13 +6,11 @@ from pathlib import Path
 import pytest
 
 from pipeserve.runtime.bench.prefix_workloads import (
+    MOONCAKE_TRACE,
     ideal_cached_fraction,
     mooncake_requests,
     shared_prefix_requests,
 )
-
-TRACE = Path(__file__).parents[3] / "shared" / "traces" / "mooncake" / "synthetic_trace.jsonl"
-
 
 def write_trace(tmp_path, rows) -> Path:
     path = tmp_path / "trace.jsonl"
@@ -46,9 +44,8 @@ def test_ideal_fraction_counts_repeated_chains_only():
     assert ideal_cached_fraction([[1] * 8 + [2], [3] + [1] * 8], block_size=4) == 0.0
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared Mooncake trace is not here")
 def test_real_mooncake_trace_shares_prefixes():
-    requests = mooncake_requests(TRACE, block_tokens=16, max_requests=1000)
+    requests = mooncake_requests(MOONCAKE_TRACE, block_tokens=16, max_requests=1000)
     assert len(requests) == 1000
     # Sharing grows along the trace (~0.65 of prompt tokens over all 3,993 requests).
     assert 0.1 < ideal_cached_fraction([r.prompt_token_ids for r in requests], block_size=16) < 0.5
