@@ -12,7 +12,8 @@ everywhere, so scheduling never competes with its kernel launches for the GIL.
 
     python -m pipeserve.launch.multinode bench|serve     (the child; rank 0 starts it)
 
-The child reads its configuration as JSON on stdin: nothing (an API key) on a command line.
+The child reads its configuration as JSON on stdin (the typed configs as plain data, never
+pickle): nothing (an API key) on a command line.
 """
 
 from __future__ import annotations
@@ -23,23 +24,22 @@ import os
 import subprocess
 import sys
 
-from omegaconf import DictConfig, OmegaConf, open_dict
-
-from pipeserve.runtime.engine import spmd
+from pipeserve.runtime.bench.harness import BenchOptions, CapacityOptions, format_table, run_bench
+from pipeserve.runtime.bench.workload import WorkloadConfig
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict, engine_config_to_dict
+from pipeserve.runtime.engine import spmd
 
 
-def bench(cfg: DictConfig, out_dir: str) -> int:
-    """This rank's part of a benchmark; rank 0's child writes result.json into `out_dir`."""
-    from pipeserve.launch.bench import _with_dummy_model, configs_from
-
-    engine_cfg = spmd.with_rendezvous_host(configs_from(cfg)[0])
-    if cfg.dummy_model.shape:  # every rank writes the config-only model folder it loads
-        engine_cfg = _with_dummy_model(engine_cfg, cfg.dummy_model, out_dir)
-    with open_dict(cfg):
-        cfg.parallel.host = engine_cfg.parallel.host  # the child's engine binds where ranks look
-    payload = {"cfg": OmegaConf.to_container(cfg, resolve=True), "out_dir": out_dir}
-    return spmd.run_beside(engine_cfg, _starter("bench", payload), stage_stats=True)
+def bench(engine: EngineConfig, workload: WorkloadConfig, *, options: BenchOptions, capacity: CapacityOptions,
+          out_dir: str, record: dict) -> int:
+    """This rank's part of a benchmark; rank 0's child writes result.json into `out_dir`.
+    ``record`` is the configuration result.json stores (the composed Hydra config)."""
+    engine = spmd.with_rendezvous_host(engine)
+    record = {**record, "parallel": {**record.get("parallel", {}), "host": engine.parallel.host}}
+    payload = {"engine": engine_config_to_dict(engine), "workload": dataclasses.asdict(workload),
+               "options": dataclasses.asdict(options), "capacity": dataclasses.asdict(capacity),
+               "record": record, "out_dir": out_dir}
+    return spmd.run_beside(engine, _starter("bench", payload), stage_stats=True)
 
 
 def serve(engine_cfg: EngineConfig, server_cfg) -> int:
@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     kind = (sys.argv[1:] if argv is None else argv)[0]
     payload = json.load(sys.stdin)
     if kind == "bench":
-        from pipeserve.launch.bench import format_table, run_bench
-
-        result = run_bench(OmegaConf.create(payload["cfg"]), payload["out_dir"])
+        result = run_bench(engine_config_from_dict(payload["engine"]), WorkloadConfig(**payload["workload"]),
+                           options=BenchOptions(**payload["options"]), capacity=CapacityOptions(**payload["capacity"]),
+                           out_dir=payload["out_dir"], record=payload["record"])
         print(format_table(result))
         print(f"\nwrote {payload['out_dir']}/" + ", ".join(result["files"].values()), flush=True)
         return 0

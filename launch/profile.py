@@ -12,9 +12,10 @@ see ``Profiler.time``: this is a profile, not a serving run); fits
         + per_kv * sum(ctx_i) + per_seq * num_seqs + fixed
 
 with CostModel.fit; and writes the coefficients, the samples and the fit error to a JSON file
-that `scheduler.cost_model_path` reads (bench runs and sweeps reuse it). With pipeline
-parallelism a stage runs about 1/pp of the layers: divide the time budget you would give one
-device's whole model accordingly.
+that `scheduler.cost_model_path` reads (bench runs and sweeps reuse it). It prints the
+prediction for a typical micro-batch: the value to give `scheduler.time_budget_s`. With pipeline
+parallelism too the budget is the whole model's prediction (the scheduler compares it with
+whole-model predictions); each stage then takes about 1/pp of it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from pipeserve.runtime.bench.dummy_model import DummyModelConfig, with_dummy_model
 from pipeserve.runtime.worker.batch import StepInputs
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
 from pipeserve.runtime.model.loader import load_model, set_kernels
@@ -122,7 +124,7 @@ class Profiler:
         On CUDA this is the *device's* time, between events, with the whole step queued behind
         a device sleep first: serving replays CUDA graphs, whose launch costs the host well
         under a millisecond, while launching an eager step kernel by kernel takes the host
-        longer than the device takes to run it (BENCHMARKS.md, the seventh session), so wall
+        longer than the device takes to run it (measured on an H100 for an 8B stage), so wall
         time here would measure this host's launches. On CPU: wall time."""
         step = self.step(seqs)
         self._run(step)  # warm-up (compiles, allocator)
@@ -184,11 +186,8 @@ def run_profile(cfg: DictConfig, out_dir: str, *, progress: bool = True) -> dict
 
     from pipeserve.launch.generate import engine_config
 
-    engine = engine_config(cfg)
-    if cfg.dummy_model.shape:
-        from pipeserve.launch.bench import _with_dummy_model
-
-        engine = _with_dummy_model(engine, cfg.dummy_model, out_dir)
+    dummy = DummyModelConfig(**OmegaConf.to_container(cfg.dummy_model, resolve=True))
+    engine = with_dummy_model(engine_config(cfg), dummy, out_dir)
     options = ProfileOptions(**{k: tuple(v) if isinstance(v, list) else v
                                 for k, v in OmegaConf.to_container(cfg.profile, resolve=True).items()})
     device = engine.torch_device()

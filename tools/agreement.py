@@ -11,7 +11,7 @@ Runs the same 64 chat prompts greedily through one process and through each tp/p
 
     python -m tools.agreement --model model.gguf --layouts tp=2,pp=2 --out agree.json
     python -m tools.agreement --model model.gguf --layouts tp=2,pp=2 --deterministic
-    python -m tools.agreement --shape llama3-70b --num-layers 80 --tokenizer gpt2.json \
+    python -m tools.agreement --shape llama3-70b --num-layers 80 \
         --base pp=2 --layouts pp=4,tp=2+pp=2 --deterministic     # random weights, same in every layout
 
 ``--deterministic`` runs every layout in deterministic mode (``engine.deterministic``, with
@@ -176,7 +176,8 @@ def main(argv=None) -> None:
     p.add_argument("--base", default="1", help="the layout the others are compared with")
     p.add_argument("--shape", default=None, help="random weights of this benchmark shape (llama3-8b, llama3-70b)")
     p.add_argument("--num-layers", type=int, default=None, help="--shape: layers (default the shape's)")
-    p.add_argument("--tokenizer", default=None, help="--shape: tokenizer.json to put beside it")
+    p.add_argument("--tokenizer", default=None,
+                   help="--shape: tokenizer.json to put beside it (default: a generated GPT-2-size vocabulary)")
     p.add_argument("--workdir", default=".")
     p.add_argument("--out", default=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -218,13 +219,11 @@ def main(argv=None) -> None:
 
 def _shape_folder(args) -> str:
     """A config.json + tokenizer folder of the benchmark shape, in --workdir."""
-    from tools.bench_peers import SHAPES, write_model_folder
+    from pipeserve.runtime.bench.dummy_model import SHAPES, write_model_folder
 
-    if args.tokenizer is None:
-        raise SystemExit("--shape needs --tokenizer")
     num_layers = args.num_layers or SHAPES[args.shape]["num_hidden_layers"]
     folder = os.path.join(args.workdir, f"{args.shape}-{num_layers}")
-    write_model_folder(folder, args.tokenizer, num_layers=num_layers, with_weights=False, shape=args.shape)
+    write_model_folder(folder, shape=args.shape, num_layers=num_layers, tokenizer=args.tokenizer)
     return folder
 
 

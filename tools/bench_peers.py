@@ -1,8 +1,8 @@
 """Side-by-side offline throughput: pipeserve against transformers (and DeepSpeed-FastGen).
 
-The workload of ../shared/peers/README.md: a Llama-3-8B-shaped model with random bf16 weights,
-N requests with prompt lengths uniform in [min_prompt, max_prompt], `output_len` tokens each,
-all submitted at once. Each system runs in its own process (so one's memory never limits the
+The peers' common workload: a Llama-3-8B-shaped model with random bf16 weights
+(runtime/bench/dummy_model.py), N requests with prompt lengths uniform in [min_prompt,
+max_prompt], `output_len` tokens each, all submitted at once. Each system runs in its own process (so one's memory never limits the
 next) on the same card, in the same run. Throughput counts prompt + output tokens.
 
     python -m tools.bench_peers --systems pipeserve,transformers --out results.json
@@ -30,43 +30,15 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    vocab_size=50304,  # the GPT-2 tokenizer's 50257, padded as the peers guide says
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=500000.0,
-    tie_word_embeddings=False,
-    torch_dtype="bfloat16",
-    bos_token_id=50256,
-    eos_token_id=50256,
-)
+from pipeserve.runtime.bench import dummy_model
 
-
-# A Llama-3-70B shape (too large for one GPU in bf16 at 80 layers: ~141 GB); the GPT-2 vocab.
-LLAMA3_70B = dict(
-    LLAMA3_8B,
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-)
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
-MAX_MODEL_LEN = LLAMA3_8B["max_position_embeddings"]  # the models bench_peers writes
-GPT2_VOCAB = 50257  # prompt token ids are drawn below it
+MAX_MODEL_LEN = dummy_model.MAX_MODEL_LEN  # the models bench_peers writes
+GPT2_VOCAB = dummy_model.GPT2_VOCAB  # prompt token ids are drawn below it
 
 
 def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int) -> list[list[int]]:
@@ -109,7 +81,7 @@ def make_requests(args) -> tuple[list[list[int]], list[int]]:
 
 
 def make_prompts(args) -> list[list[int]]:
-    """The prompts of --workload: uniform (the peers guide's), mooncake, shared_prefix or sharegpt."""
+    """The prompts of --workload: uniform (the peers' common workload), mooncake, shared_prefix or sharegpt."""
     if args.workload == "uniform":
         return make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed)
     if args.workload == "sharegpt":
@@ -142,35 +114,19 @@ def _workload_label(args) -> str:
     return f"prompts U[{args.min_prompt},{args.max_prompt}]"
 
 
-def write_model_folder(
-    folder: str, tokenizer_json: str, *, num_layers: int, with_weights: bool, shape: str = "llama3-8b"
-) -> None:
-    cfg = dict(SHAPES[shape], num_hidden_layers=num_layers)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    shutil.copy(tokenizer_json, os.path.join(folder, "tokenizer.json"))
-    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:  # FastGen needs an EOS token
-        json.dump({"tokenizer_class": "GPT2TokenizerFast", "bos_token": "<|endoftext|>",
-                   "eos_token": "<|endoftext|>", "add_bos_token": False}, f)
+def write_model_folder(folder: str, *, num_layers: int, with_weights: bool, tokenizer: str | None = None) -> None:
+    """The Llama-3-8B-shaped folder every system loads; with random bf16 weights on disk when
+    ``with_weights`` (peers cannot load a config-only folder)."""
+    dummy_model.write_model_folder(folder, shape="llama3-8b", num_layers=num_layers, tokenizer=tokenizer)
     has_weights = any(f.endswith(".safetensors") for f in os.listdir(folder))
     if with_weights and not has_weights:  # a child process: the parent holds no GPU memory while peers run
         # (an existing folder's weights are reused: the same seed wrote them)
-        code = "import sys; from tools.bench_peers import _hf_model; _hf_model(sys.argv[1]).save_pretrained(sys.argv[1])"
+        code = "import sys; from tools.bench_peers import hf_model; hf_model(sys.argv[1]).save_pretrained(sys.argv[1])"
         subprocess.run([sys.executable, "-c", code, folder], check=True)
 
 
-def load_dummy_model(tokenizer_json: str, *, shape: str, num_layers: int, dtype, device):
-    """A ``shape`` model of ``num_layers`` layers with random weights (``load_model``'s result),
-    from a config-only folder that is gone again once loaded."""
-    from pipeserve.runtime.model.loader import load_model
-
-    with tempfile.TemporaryDirectory(prefix="dummy-model-") as folder:
-        write_model_folder(folder, tokenizer_json, num_layers=num_layers, with_weights=False, shape=shape)
-        return load_model(folder, dtype=dtype, device=device, load_format="dummy")
-
-
-def _hf_model(folder: str):
+def hf_model(folder: str):
+    """transformers' Llama of the folder's config, random bf16 weights (seed 0), on the GPU if any."""
     import torch
     from transformers import AutoConfig, LlamaForCausalLM
 
@@ -249,7 +205,7 @@ def run_transformers(folder: str, prompts: list[list[int]], output_lens: list[in
     if len(set(output_lens)) > 1:
         return {"skipped": "per-request output lengths: generate() makes one length per batch"}
     output_len = output_lens[0]
-    model = _hf_model(folder)
+    model = hf_model(folder)
     batch = 32
 
     def generate(chunk: list[list[int]], n: int) -> None:
@@ -281,7 +237,7 @@ def run_fastgen(folder: str, prompts: list[list[int]], output_lens: list[int], a
     try:
         import mii
     except ImportError:
-        return {"skipped": "deepspeed-mii is not installed (see ../shared/peers/README.md)"}
+        return {"skipped": "deepspeed-mii is not installed (pip install deepspeed-mii)"}
 
     pipe = mii.pipeline(folder)
     fastgen_generate(pipe, prompts[:2], [4, 4])  # warm-up
@@ -305,7 +261,7 @@ def fastgen_generate(pipe, prompts: list[list[int]], output_lens: list[int]) -> 
     and makes exactly output_lens[i] tokens, greedy with EOS ignored, as the other systems do.
 
     ``pipe(texts, max_new_tokens=N, ...)`` gives every prompt the same keyword arguments. Its
-    per-request step, in deepspeed-mii 0.3.3 (the wheel the peers guide fetches), is
+    per-request step, in deepspeed-mii 0.3.3 (the version this was written against), is
     ``MIIPipeline.__call__`` -> ``self._put_request(uid, prompt, kwargs)`` with uid = the
     prompt's index -> ``self.make_request(tid, uid, input_tokens, kwargs)``, whose kwargs
     (``GenerateParamsConfig``) are per request; so this pipeline's ``_put_request`` is replaced,
@@ -353,7 +309,7 @@ def parse_args(argv=None):
                    help="pipeserve, pipeserve:<variant> (tp=2, pp=2, prefix=caching, prefix=grouping),"
                    " transformers, fastgen")
     p.add_argument("--workload", default="uniform", choices=("uniform", "mooncake", "shared_prefix", "sharegpt"),
-                   help="uniform prompt lengths (the peers guide's), prompts that share prefixes, or the"
+                   help="uniform prompt lengths (the peers' common workload), prompts that share prefixes, or the"
                    " ShareGPT trace's prompt and output lengths (--min/max-prompt, --output-len unused)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--min-prompt", type=int, default=128)
@@ -369,7 +325,8 @@ def parse_args(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", default=os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "gpt2_tokenizer.json"))
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json for the model folder (default: a generated vocabulary of GPT-2's size)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--profile", default=None, help="write a torch.profiler table of the pipeserve run here")
     p.add_argument("--dtype", default="bfloat16", help="pipeserve's dtype (peers run bf16)")
@@ -391,7 +348,7 @@ def main(argv=None) -> None:
     # Real (random) weights on disk when a peer needs them or pipeserve layouts are compared
     # (tp/pp must load the same weights as one GPU for their greedy tokens to be comparable).
     with_weights = args.weights or "fastgen" in systems or any(":" in s for s in systems)
-    write_model_folder(workdir, args.tokenizer, num_layers=args.num_layers, with_weights=with_weights)
+    write_model_folder(workdir, num_layers=args.num_layers, with_weights=with_weights, tokenizer=args.tokenizer)
     total = sum(map(len, prompts)) + sum(output_lens)  # the same for every system
     results = {}
     for name in systems:
@@ -418,7 +375,7 @@ def main(argv=None) -> None:
     print(summary)
 
 
-def _outputs_label(output_lens: list[int]) -> str:
+def outputs_label(output_lens: list[int]) -> str:
     lo, hi = min(output_lens), max(output_lens)
     if lo == hi:
         return f"{lo} out"
@@ -445,7 +402,7 @@ def _summary(results: dict, args, total: int, output_lens: list[int]) -> str:
     card = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     base = results.get("pipeserve", {}).get("tokens_per_s")
     rows = [f"card: {card}; {args.num_requests} requests, {_workload_label(args)}, "
-            f"{_outputs_label(output_lens)}, {args.num_layers} layers, {total} tokens",
+            f"{outputs_label(output_lens)}, {args.num_layers} layers, {total} tokens",
             "| system | wall s | tokens/s | pipeserve / system |", "|---|---|---|---|"]
     for name, r in results.items():
         if "tokens_per_s" in r:

@@ -280,7 +280,7 @@ def _ms(x: float | None) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from tools.bench_peers import SHAPES
+    from pipeserve.runtime.bench.dummy_model import SHAPES
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cost-model", required=True, help="cost_model.json from `pipeserve profile`")

@@ -17,7 +17,7 @@ into GEMM / attention / norm / rope / silu·mul / KV write / other (by kernel na
 step's timed device time (the gap: the device idle between kernels), with the GEMMs' own rate:
 TFLOP/s in prefill, GB/s of weights in decode (and the attention's GB/s of KV).
 
-    python -m tools.roofline --tokenizer gpt2_tokenizer.json [--profile] [--out roofline.json]
+    python -m tools.roofline [--profile] [--out roofline.json]
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from collections import defaultdict
 import torch
 
 from pipeserve.kernels import kernel_ops
-from tools.bench_peers import load_dummy_model
 from pipeserve.launch.profile import Profiler
 from pipeserve.runtime.bench import metrics as M
+from pipeserve.runtime.bench.dummy_model import load_dummy_model
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.worker.cuda_graphs import capture_cuda_graphs
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
@@ -140,7 +140,7 @@ def format_profile(name: str, prof: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokenizer", required=True)
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (default: a generated GPT-2-size vocabulary)")
     p.add_argument("--shape", default="llama3-8b")
     p.add_argument("--num-layers", type=int, default=32)
     p.add_argument("--kernel-backend", default="auto")
@@ -150,7 +150,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
-    loaded = load_dummy_model(args.tokenizer, shape=args.shape, num_layers=args.num_layers, dtype=dtype, device=device)
+    loaded = load_dummy_model(shape=args.shape, num_layers=args.num_layers, dtype=dtype, device=device,
+                              tokenizer=args.tokenizer)
     loaded.model.set_ops(kernel_ops(args.kernel_backend, device))
     cfg = loaded.config
     shape = M.ModelShape.of(cfg, dtype.itemsize)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pipeserve.launch import bench as B
+from pipeserve.runtime.bench.harness import Bench, format_table
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.model.loader import load_model
 from pipeserve.runtime.bench.prefix_workloads import MOONCAKE_NUM_ROWS, MOONCAKE_TRACE, ideal_cached_fraction
@@ -57,20 +58,6 @@ def test_prefix_workloads_are_token_ids_within_the_vocabulary():
         assert sum(1 for line in f if line.strip()) == MOONCAKE_NUM_ROWS
 
 
-def test_bench_peers_builds_the_prefix_workloads():
-    from tools.bench_peers import make_prompts, parse_args
-
-    uniform = make_prompts(parse_args(["--num-requests", "4"]))
-    assert len(uniform) == 4 and all(128 <= len(p) <= 2048 for p in uniform)
-    shared = make_prompts(parse_args(["--workload", "shared_prefix", "--num-requests", "8", "--prefix-len", "32",
-                                      "--suffix-len", "4"]))
-    assert len(shared) == 8 and len({tuple(p[:32]) for p in shared}) == 4
-    moon = make_prompts(parse_args(["--workload", "mooncake", "--num-requests", "16", "--block-tokens", "4"]))
-    tail = build_workload(WorkloadConfig(source="mooncake", arrival="offline", start=MOONCAKE_NUM_ROWS - 16,
-                                         num_requests=16, block_tokens=4, max_prompt_len=2048))
-    assert moon == [list(s.prompt_token_ids) for s in tail]  # the trace's last rows, as the bench builds them
-
-
 @pytest.mark.parametrize("workload", [SHARED, MOONCAKE], ids=["shared_prefix", "mooncake"])
 def test_caching_saves_prefill_and_reports_it(workload, tiny_model, loaded, tmp_path, compose):
     # A small token budget on shared_prefix too: admitted one after another, later prompts hit.
@@ -89,7 +76,7 @@ def test_caching_saves_prefill_and_reports_it(workload, tiny_model, loaded, tmp_
     assert 0 < on["prefill"]["saved_fraction"] <= on["prefill"]["ideal_saved_fraction"] + 1e-9
     saved = json.loads((tmp_path / "on" / "result.json").read_text())["prefill"]
     assert saved == on["prefill"]
-    assert "prefill tokens" in B.format_table(on) and "saved" in B.format_table(on)
+    assert "prefill tokens" in format_table(on) and "saved" in format_table(on)
 
 
 def test_grouping_computes_each_shared_prefix_once(tiny_model, loaded, tmp_path, compose):
@@ -112,7 +99,7 @@ def test_greedy_tokens_equal_with_caching_off_on_and_grouped(tiny_model, loaded)
                         ("grouped", dict(enable_prefix_caching=True, prefix_grouping=True))):
         config = EngineConfig(model=tiny_model, device="cpu", dtype="float32", num_kv_blocks=256,
                               scheduler=SchedulerConfig(max_num_batched_tokens=32, **sched))
-        runner = B.Bench(config, loaded=loaded)
+        runner = Bench(config, loaded=loaded)
         run = runner.run(specs, seed=0)
         runner.close()
         outputs[name] = run.output_token_ids

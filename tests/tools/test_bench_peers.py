@@ -13,13 +13,14 @@ import pytest
 
 from tools.bench_peers import (
     MAX_MODEL_LEN,
-    _outputs_label,
     cap_lengths,
     make_prompts,
     make_requests,
+    outputs_label,
     parse_args,
     run_pipeserve,
 )
+from pipeserve.runtime.bench.prefix_workloads import MOONCAKE_NUM_ROWS
 from pipeserve.runtime.bench.workload import DEFAULT_TRACE_DIR, WorkloadConfig, build_workload
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,7 +53,7 @@ def test_sharegpt_1000_requests_fit_the_model_uncut():
     assert len(prompts) == 1000
     assert max(len(p) + n for p, n in zip(prompts, output_lens)) <= MAX_MODEL_LEN
     assert {(len(p), n) for p, n in zip(prompts, output_lens)} <= sharegpt_rows()  # the 8k trace needs no cut
-    assert "out each (mean" in _outputs_label(output_lens) and _outputs_label([128] * 3) == "128 out"
+    assert "out each (mean" in outputs_label(output_lens) and outputs_label([128] * 3) == "128 out"
 
 
 def test_cap_keeps_the_output_and_cuts_the_prompt():
@@ -72,3 +73,15 @@ def test_pipeserve_makes_each_requests_own_output_length(tiny_model, tmp_path, m
     tokens = json.loads((folder / "tokens_pipeserve.json").read_text())
     assert [len(t) for t in tokens] == output_lens
     assert result["wall_s"] > 0
+
+
+def test_bench_peers_builds_the_prefix_workloads():
+    uniform = make_prompts(parse_args(["--num-requests", "4"]))
+    assert len(uniform) == 4 and all(128 <= len(p) <= 2048 for p in uniform)
+    shared = make_prompts(parse_args(["--workload", "shared_prefix", "--num-requests", "8", "--prefix-len", "32",
+                                      "--suffix-len", "4"]))
+    assert len(shared) == 8 and len({tuple(p[:32]) for p in shared}) == 4
+    moon = make_prompts(parse_args(["--workload", "mooncake", "--num-requests", "16", "--block-tokens", "4"]))
+    tail = build_workload(WorkloadConfig(source="mooncake", arrival="offline", start=MOONCAKE_NUM_ROWS - 16,
+                                         num_requests=16, block_tokens=4, max_prompt_len=2048))
+    assert moon == [list(s.prompt_token_ids) for s in tail]  # the trace's last rows, as the bench builds them

@@ -1,6 +1,8 @@
-"""launch/pipeline_gaps: each idle gap of a pipeline's stages gets the cause that ended it."""
+"""tools/pipeline_gaps: each idle gap of a pipeline's stages gets the cause that ended it."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -199,3 +201,29 @@ def test_idle_near_a_switch_between_prompt_and_decode_micro_batches():
     assert s1["idle_near_switch_s"] == ms(4) and s1["idle_previous_stage_s"] == ms(4)
     table = pipeline_gaps.format_uniformity([s0, s1])
     assert "| 15.4%, 2.00 (2) |" in table
+
+
+@pytest.mark.timeout(400)  # (the bench run, if no test ran it before)
+def test_pipeline_gaps_account_for_every_stage_second(bench_pp2_run):
+    """On a real pp=2 bench run (CPU, torchrun): the command line prints both stages, and each
+    stage's idle time is split into causes that add up to it."""
+    out, _, r = bench_pp2_run
+    proc = subprocess.run([sys.executable, "-m", "tools.pipeline_gaps", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "| stage 0 |" in proc.stdout and "| stage 1 |" in proc.stdout
+    rows = pipeline_gaps.analyze(json.loads((out / "trace.json").read_text()), pp=2, feedback=True)
+    by_stage = {s["stage"]: s for s in r["stages"]}
+    for i, row in enumerate(rows):
+        assert row["num_steps"] == r["steps"]["num_steps"]
+        assert row["busy_s"] == pytest.approx(by_stage[i]["busy_s"], rel=1e-3)
+        causes = sum(row[f"idle_{k}_s"] for k in ("previous_stage", "fed_tokens", "plan", "host"))
+        assert causes == pytest.approx(row["idle_s"], abs=1e-5) and row["idle_s"] > 0
+        assert 0 <= row["imbalance"] < 1
+    assert rows[1]["idle_previous_stage_s"] > 0 and rows[0]["idle_previous_stage_s"] == 0
+    # Token feedback (on by default): the submit instants name the steps each micro-batch's fed
+    # decodes take their ids from, at least pp = 2 steps back.
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    fed = {int(e["name"].split()[1]): e["args"]["fed_from"] for e in events if e["name"].startswith("submit ")}
+    assert any(fed.values())
+    assert all(k <= step - 2 for step, ks in fed.items() for k in ks)
