@@ -1,14 +1,18 @@
-"""What the Triton kernel tests share: where they can run, and the half-precision check of a
-kernel that rounds where its torch reference does."""
+"""What the Triton kernel tests share: where they can run, the half-precision check of a
+kernel that rounds where its torch reference does, and the invariance check (bits natively,
+rounding under the interpreter)."""
 
 from __future__ import annotations
 
 import os
+import random
 
 import pytest
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NATIVE = DEVICE == "cuda" and os.environ.get("TRITON_INTERPRET") != "1"
+"""The kernels are compiled for the device (else they run in the interpreter)."""
 
 # On CPU the kernels run only under the interpreter (tests/conftest.py sets it without a GPU).
 runs_triton = pytest.mark.skipif(
@@ -20,6 +24,24 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 interpreter_array_warning = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim > 0:DeprecationWarning"
 )
+
+
+def fresh_seed() -> int:
+    """A new seed every run, for tests that put it in their failure messages; set
+    PIPESERVE_TEST_SEED to that number to replay a failure."""
+    return int(os.environ.get("PIPESERVE_TEST_SEED") or random.randrange(2**31))
+
+
+def assert_invariant(got, want, msg: str, *, rtol: float, atol: float) -> None:
+    """Two computations a kernel makes bit-identical natively (one output element's arithmetic
+    fixed whatever the batch, shard or schedule around it): the same bits on a GPU; within
+    ``rtol``/``atol`` under the interpreter. There ``tl.dot`` is numpy's matmul, and the BLAS
+    kernel numpy picks for the host CPU may sum a tile's products in an order that depends on
+    the row's or column's place in the tile, so the bits there are the host's, not the kernel's."""
+    if NATIVE:
+        assert torch.equal(got, want), msg
+    else:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=msg)
 
 
 def assert_close_rounding(got, want, seed, *, fp32_atol: float, min_exact: float = 0.95) -> None:

@@ -10,14 +10,13 @@ of a fused qkv projection, as the model passes them. Runs under the Triton inter
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from helpers_kernels import DEVICE, gpu, runs_triton, interpreter_array_warning  # noqa: E402
+from helpers_kernels import DEVICE, fresh_seed, gpu, interpreter_array_warning, runs_triton  # noqa: E402
 
 from pipeserve.kernels.kv_cache import write_kv  # noqa: E402
 from pipeserve.kernels.reference import write_kv as write_kv_reference  # noqa: E402
@@ -56,7 +55,7 @@ def _check(k, v, cache, slots, seed):
     "num_heads, num_kv_heads, head_dim", [(4, 4, 64), (9, 3, 64), (8, 2, 32), (4, 1, 16)]
 )
 def test_write_kv_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     k, v, cache, slots = _case(
         23, num_heads, num_kv_heads, head_dim, 6, block_size, dtype, seed, num_pad=4
     )
@@ -65,7 +64,7 @@ def test_write_kv_matches_reference(num_heads, num_kv_heads, head_dim, block_siz
 
 def test_write_kv_casts_and_takes_int32_slots():
     """float32 K/V into a float16 cache, int32 slots, contiguous K/V."""
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     k, v, cache, slots = _case(9, 2, 2, 32, 4, 16, torch.float16, seed, num_pad=1)
     gen = torch.Generator().manual_seed(seed)
     k32 = torch.randn(k.shape, generator=gen).to(DEVICE)
@@ -74,7 +73,7 @@ def test_write_kv_casts_and_takes_int32_slots():
 
 
 def test_write_kv_all_padding_writes_nothing():
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     k, v, cache, slots = _case(5, 2, 2, 16, 2, 16, torch.float32, seed, num_pad=5)
     before = cache.clone()
     write_kv(k, v, cache, slots)
@@ -89,7 +88,7 @@ def test_write_kv_all_padding_writes_nothing():
     [(32, 8, 128, 16), (9, 3, 64, 32), (28, 4, 128, 32), (8, 8, 128, 16)],
 )
 def test_gpu_write_kv_matches_reference(num_heads, num_kv_heads, head_dim, block_size, dtype):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     k, v, cache, slots = _case(
         3000, num_heads, num_kv_heads, head_dim, 400, block_size, dtype, seed, num_pad=100
     )

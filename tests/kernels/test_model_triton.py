@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers_kernels import gpu, runs_triton  # noqa: E402
+from helpers_kernels import assert_invariant, fresh_seed, gpu, runs_triton  # noqa: E402
 
 from pipeserve.kernels import kernel_ops, torch_ops, triton_ops  # noqa: E402
 from pipeserve.runtime.worker.batch import StepInputs, to_tensors  # noqa: E402
@@ -159,7 +159,7 @@ def _tokens(schedule, vocab_size, seed) -> dict[str, list[int]]:
 
 
 def test_triton_model_matches_torch_model_float32():
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     # hidden 80 and FFN 136 are not powers of two; 4 query / 2 KV heads of dim 16.
     config = _config(
         vocab_size=256,
@@ -208,7 +208,7 @@ def test_kernel_ops_selects_triton():
 def test_gpu_bfloat16_triton_model_within_bf16_noise():
     """Triton bf16 is about as close to the float32 model as the torch bf16 path is: in max
     error, and in how often greedy choices agree."""
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     config = _gpu_config(num_layers=4)
     model32 = _random_model(config, seed=seed, std=0.03, device="cuda")
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
@@ -233,7 +233,7 @@ def test_gpu_bfloat16_triton_model_within_bf16_noise():
 @pytest.mark.gpu
 @gpu
 def test_gpu_float32_triton_model_matches_torch_model():
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     config = _gpu_config(num_layers=2)
     model = _random_model(config, seed=seed, std=0.03, device="cuda")
     tokens = _tokens(GPU_SCHEDULE, config.vocab_size, seed)
@@ -275,9 +275,11 @@ def _logits_by_token(model, ops, schedule, tokens, **case) -> dict[tuple[str, in
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16] if torch.cuda.is_available() else [torch.float16])
 def test_batch_invariant_ops_same_bits_under_any_schedule(dtype):
     """With the batch-invariant table (deterministic mode), every token's logits are the same
-    bits whichever micro-batches carried its prompt's chunks and its decodes. Natively on a
-    GPU this is the property cuBLAS and size-dependent tiles break."""
-    seed = random.randrange(2**31)
+    bits whichever micro-batches carried its prompt's chunks and its decodes: natively on a
+    GPU, where this is the property cuBLAS and size-dependent tiles break. Under the
+    interpreter the host's BLAS sums a row at another place in its tile in its own order
+    (helpers_kernels.assert_invariant): there the logits agree to float16 rounding."""
+    seed = fresh_seed()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = _gpu_config(num_layers=2) if device == "cuda" else _config(
         vocab_size=256, hidden_size=80, intermediate_size=136, num_hidden_layers=2,
@@ -292,5 +294,5 @@ def test_batch_invariant_ops_same_bits_under_any_schedule(dtype):
     first = _logits_by_token(model, ops, SMALL_SCHEDULE, tokens, **case)
     second = _logits_by_token(model, ops, OTHER_SCHEDULE, tokens, **case)
     assert first.keys() == second.keys()
-    differ = [key for key in first if not torch.equal(first[key], second[key])]
-    assert not differ, f"{len(differ)} of {len(first)} tokens differ, e.g. {differ[:3]}, seed {seed}"
+    for key in first:
+        assert_invariant(first[key], second[key], f"token {key}, seed {seed}", rtol=1e-2, atol=1e-2)

@@ -19,7 +19,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from helpers_kernels import DEVICE, gpu, runs_triton, interpreter_array_warning  # noqa: E402
+from helpers_kernels import (  # noqa: E402
+    DEVICE,
+    assert_invariant,
+    fresh_seed,
+    gpu,
+    interpreter_array_warning,
+    runs_triton,
+)
 
 from helpers_model import MIXED_BATCH, make_metadata  # noqa: E402
 
@@ -110,7 +117,7 @@ def _check(got, q, kv_cache, meta, scale, seed):
 
 
 def _seed() -> int:
-    return random.randrange(2**31)
+    return fresh_seed()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -202,6 +209,7 @@ def test_decode_batch_reads_only_device_metadata():
     stale.query_start_loc_cpu = [0] + [999] * len(seqs)
     stale.seq_lens_cpu = [0] * len(seqs)
     stale.query_start_loc.fill_(12345)
+    # (the same launch on the same inputs: the same bits on any host)
     assert torch.equal(_run(q, kv_cache, stale, 0.2), want), f"seed {seed}"
     _check(want, q, kv_cache, meta, 0.2, seed)
 
@@ -227,7 +235,8 @@ def test_work_list_matches_reference(num_heads, num_kv_heads):
     padded.block_tables = torch.cat([padded.block_tables, padded.block_tables.new_zeros(1, padded.block_tables.shape[1])])
     padded.work_list, padded.work_block_m = torch.from_numpy(work).to(DEVICE), block_m
     padded.query_start_loc_cpu, padded.seq_lens_cpu = [0] * (S + 2), [0] * (S + 1)  # stale: never read
-    q_padded = torch.cat([q, torch.randn(pad, *q.shape[1:], device=DEVICE)])
+    gen = torch.Generator().manual_seed(seed)
+    q_padded = torch.cat([q, torch.randn(pad, *q.shape[1:], generator=gen).to(q.device)])
     got = _run(q_padded, kv_cache, padded, 0.2)
     assert torch.equal(got[T:], torch.zeros_like(got[T:])), f"seed {seed}"
     _check(got[:T], q, kv_cache, meta, 0.2, seed)
@@ -254,7 +263,7 @@ def test_strided_q_from_a_fused_projection():
         block_size=16, num_heads=6, num_kv_heads=2, head_dim=32, dtype=torch.float16, seed=seed,
     )  # fmt: skip
     T, h, d = q.shape
-    qkv = torch.randn(T, (h + 4) * d, device=DEVICE).to(q.dtype)
+    qkv = torch.randn(T, (h + 4) * d, generator=torch.Generator().manual_seed(seed)).to(q.dtype).to(DEVICE)
     qkv[:, : h * d] = q.reshape(T, h * d)
     q_view = qkv[:, : h * d].view(T, h, d)
     assert not q_view.is_contiguous()
@@ -393,12 +402,18 @@ def _invariant(q, kv_cache, meta, scale):
 INVARIANT_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float16]
 
 
+# Under the interpreter, queries and keys at other places in their tiles may be summed in
+# another order (helpers_kernels.assert_invariant): float16 outputs, within about an ulp.
+INVARIANCE_TOL = dict(rtol=2e-3, atol=2e-3)
+
+
 @pytest.mark.parametrize("dtype", INVARIANT_DTYPES)
 def test_batch_invariant_rows_ignore_chunk_starts_and_companions(dtype):
     """A 150-token prompt's last 120 queries: as part of one 150-token chunk, as a chunk over
     a 30-token cached prefix, and beside another sequence's chunk and a decode; the prompt's
-    decode alone and in a mixed batch. Bit-identical in deterministic mode (natively on a GPU
-    the default mode is not: its unmasked and masked key tiles round differently)."""
+    decode alone and in a mixed batch. Bit-identical in deterministic mode natively on a GPU
+    (where the default mode is not: its unmasked and masked key tiles round differently);
+    within rounding under the interpreter."""
     seed = _seed()
     heads = dict(num_heads=6, num_kv_heads=2, head_dim=64, block_size=16)
     # Sequence 0 of each case is the same prompt (same cache, same queries: same seed).
@@ -406,29 +421,32 @@ def test_batch_invariant_rows_ignore_chunk_starts_and_companions(dtype):
     out_whole = _invariant(whole, cache, meta_whole, 0.125)
     tail = whole[30:]
     meta_tail = make_metadata([(120, 150)], meta_whole.block_tables.cpu().tolist(), 16)
-    assert torch.equal(_invariant(tail, cache, _to(meta_tail, DEVICE), 0.125), out_whole[30:]), f"seed {seed}"
+    assert_invariant(_invariant(tail, cache, _to(meta_tail, DEVICE), 0.125), out_whole[30:],
+                     f"chunk over a prefix, seed {seed}", **INVARIANCE_TOL)
     # The same 120 queries beside another sequence's chunk and a decode (their K/V: block 0 rows).
     tables = meta_whole.block_tables.cpu().tolist() + [[1, 2], [3]]
     mixed_meta = make_metadata([(120, 150), (17, 20), (1, 9)], tables, 16)
-    other = torch.randn(18, *whole.shape[1:], dtype=dtype, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    other = torch.randn(18, *whole.shape[1:], generator=gen).to(dtype=dtype, device=DEVICE)
     mixed = _invariant(torch.cat([tail, other]), _finite(cache), _to(mixed_meta, DEVICE), 0.125)
-    assert torch.equal(mixed[:120], out_whole[30:]), f"seed {seed}"
+    assert_invariant(mixed[:120], out_whole[30:], f"beside others, seed {seed}", **INVARIANCE_TOL)
     # The last token as a decode: alone (decode-only batch) and inside the mixed batch above.
     last = make_metadata([(1, 150)], meta_whole.block_tables.cpu().tolist(), 16)
     decoded = _invariant(whole[149:], cache, _to(last, DEVICE), 0.125)
-    assert torch.equal(decoded, out_whole[149:]), f"seed {seed}"
+    assert_invariant(decoded, out_whole[149:], f"decode, seed {seed}", **INVARIANCE_TOL)
 
 
 @pytest.mark.parametrize("dtype", INVARIANT_DTYPES)
 def test_batch_invariant_rows_ignore_the_gqa_group(dtype):
     """The same heads with g = 3 query heads per KV head (one GPU) and with one KV copy per
-    query head (g = 1, a TP rank whose heads straddle a group): bit-identical."""
+    query head (g = 1, a TP rank whose heads straddle a group): bit-identical natively, within
+    rounding under the interpreter."""
     seed = _seed()
     q, cache, meta = _random_case([(100, 130), (1, 77)], num_heads=3, num_kv_heads=1, head_dim=64,
                                   block_size=16, dtype=dtype, seed=seed)
     grouped = _invariant(q, cache, meta, 0.125)
     copies = cache.expand(-1, -1, -1, 3, -1).contiguous()  # [2, blocks, bs, 3, d]
-    assert torch.equal(_invariant(q, copies, meta, 0.125), grouped), f"seed {seed}"
+    assert_invariant(_invariant(q, copies, meta, 0.125), grouped, f"seed {seed}", **INVARIANCE_TOL)
 
 
 def _finite(cache: torch.Tensor) -> torch.Tensor:

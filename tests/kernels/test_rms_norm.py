@@ -10,14 +10,13 @@ GPU (the ``gpu`` tests, bfloat16).
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from helpers_kernels import DEVICE, assert_close_rounding, gpu, runs_triton  # noqa: E402
+from helpers_kernels import DEVICE, assert_close_rounding, fresh_seed, gpu, runs_triton  # noqa: E402
 
 from pipeserve.kernels.rms_norm import add_rms_norm  # noqa: E402
 from pipeserve.kernels.reference import add_rms_norm_reference  # noqa: E402
@@ -53,7 +52,7 @@ def _poisoned(T, H, dtype, device=DEVICE):
 @pytest.mark.parametrize("H", HIDDEN_SIZES)
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_matches_reference_into_poisoned_outputs(dtype, H, with_residual):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     T = 3
     x, residual, weight = _inputs(T, H, dtype, seed)
     residual = residual if with_residual else None
@@ -80,7 +79,7 @@ def test_matches_reference_into_poisoned_outputs(dtype, H, with_residual):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_allocates_outputs(dtype):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     x, residual, weight = _inputs(5, 1000, dtype, seed)
     got, got_residual = add_rms_norm(x, residual, weight, EPS)
     want, want_residual = add_rms_norm_reference(x, residual, weight, EPS)
@@ -111,7 +110,7 @@ def test_rejects_mismatched_inputs():
 @pytest.mark.parametrize("H", [*HIDDEN_SIZES, 8192])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_gpu_bfloat16_matches_reference(H, with_residual):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     T = 257
     x, residual, weight = _inputs(T, H, torch.bfloat16, seed, device="cuda")
     residual = residual if with_residual else None

@@ -8,14 +8,13 @@ buffers. Interpreter on CPU (float32, float16); GPU in bfloat16.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
-from helpers_kernels import DEVICE, assert_close_rounding, gpu, runs_triton  # noqa: E402
+from helpers_kernels import DEVICE, assert_close_rounding, fresh_seed, gpu, runs_triton  # noqa: E402
 
 from pipeserve.kernels.silu_mul import silu_mul  # noqa: E402
 from pipeserve.kernels.reference import silu_mul_reference  # noqa: E402
@@ -40,7 +39,7 @@ def _gate_up(T, I, dtype, seed, device=DEVICE):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("I", WIDTHS)
 def test_matches_reference_into_poisoned_output(dtype, I):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     T = 3
     gate_up = _gate_up(T, I, dtype, seed)
     before = gate_up.clone()
@@ -56,7 +55,7 @@ def test_matches_reference_into_poisoned_output(dtype, I):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_allocates_output(dtype):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     gate_up = _gate_up(4, 1000, dtype, seed)
     got = silu_mul(gate_up)
     assert got.shape == (4, 1000) and got.dtype == dtype and got.is_contiguous()
@@ -64,23 +63,23 @@ def test_allocates_output(dtype):
 
 
 def test_empty_batch():
-    assert silu_mul(torch.randn(0, 64, device=DEVICE)).shape == (0, 32)
+    assert silu_mul(torch.ones(0, 64, device=DEVICE)).shape == (0, 32)
 
 
 def test_rejects_bad_inputs():
     with pytest.raises(AssertionError):
-        silu_mul(torch.randn(3, 7, device=DEVICE))  # odd width
+        silu_mul(torch.ones(3, 7, device=DEVICE))  # odd width
     with pytest.raises(AssertionError, match="contiguous"):
-        silu_mul(torch.randn(8, 3, device=DEVICE).t())
+        silu_mul(torch.ones(8, 3, device=DEVICE).t())
     with pytest.raises(AssertionError):
-        silu_mul(torch.randn(3, 8, device=DEVICE), out=torch.empty(3, 4, device=DEVICE).half())
+        silu_mul(torch.ones(3, 8, device=DEVICE), out=torch.empty(3, 4, device=DEVICE).half())
 
 
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("I", [*WIDTHS, 14336])
 def test_gpu_bfloat16_matches_reference(I):
-    seed = random.randrange(2**31)
+    seed = fresh_seed()
     T = 257
     gate_up = _gate_up(T, I, torch.bfloat16, seed, device="cuda")
     out_buf = torch.full((T, I + 5), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -373,7 +373,11 @@ def test_tp2_smollm2_gguf(tmp_path):
         for got, ours in zip(res["logits"], want, strict=True):
             assert got.shape == ours.shape == (ours.shape[0], 49152)
             assert (got - ours).abs().max().item() < 1e-3
-            assert torch.equal(got.argmax(-1), ours.argmax(-1))
+            # The same greedy token wherever the top two are further apart than that error
+            # (a closer pair is a tie the host's float32 rounding may break either way).
+            top2 = ours.topk(2, dim=-1).values
+            clear = top2[:, 0] - top2[:, 1] > 2e-3
+            assert torch.equal(got.argmax(-1)[clear], ours.argmax(-1)[clear])
 
 
 @pytest.mark.gpu

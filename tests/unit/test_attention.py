@@ -103,7 +103,8 @@ def test_write_kv_stores_rows_at_their_slots():
     block_size, kvh = 16, 2
     kv_cache = torch.zeros(2, 8, block_size, kvh, HEAD_DIM)
     slots = torch.tensor([5 * 16 + 3, 0, 7 * 16 + 15, 2 * 16 + 8])
-    k, v = torch.randn(4, kvh, HEAD_DIM), torch.randn(4, kvh, HEAD_DIM)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(4, kvh, HEAD_DIM, generator=gen), torch.randn(4, kvh, HEAD_DIM, generator=gen)
     write_kv(k, v, kv_cache, slots)
     for i, slot in enumerate(slots.tolist()):
         block, offset = divmod(slot, block_size)
