@@ -9,16 +9,17 @@ their prefills, then times ``--steps`` decode steps of
 
     schedule()  →  plan building  →  update(fake sampled ids)
 
-where plan building is what the engine does before a forward: ``StepInputs`` + ``to_tensors``
-on CPU (``--plan local``, one process), the wire ``StepPlan`` with block-table diffs, msgpack
-encoded (``--plan wire``, torchrun workers), or nothing (``--plan none``). Prints the median and
+where plan building is what happens before a forward: the executor's ``StepPlan`` (block-table
+diffs) and the worker's inputs from it (``PlanInputs`` + ``to_tensors`` on CPU; ``--plan local``,
+one device, in one process), the plan msgpack-encoded as for torchrun workers (``--plan wire``),
+or nothing (``--plan none``). Prints the median and
 P90 per step of each phase and of the whole, in milliseconds. Every request stays running
 (the KV pool is large enough and max_tokens is never reached), so each step schedules all of
 them; a block boundary is crossed every ``block_size`` steps, as in serving.
 
 ``--plan engine`` times the whole ``LLMEngine.step()`` instead, on the embedded SmolLM2
-tokenizer and config: scheduling, the model inputs (``to_tensors`` on CPU, as LocalExecutor
-builds them), detokenization, stop checks and outputs are the real ones; only the forward and
+tokenizer and config: scheduling, the plans and the model inputs (as a one-device worker builds
+them, on CPU), detokenization, stop checks and outputs are the real ones; only the forward and
 sampling are replaced by an executor that answers every plan at once with token ids
 drawn at random from those of an English passage (real text's token frequencies; uniform draws
 from the whole vocabulary would be mostly rare, multi-byte tokens). Add ``--stop`` to give
@@ -41,17 +42,18 @@ from collections.abc import Callable
 
 import torch
 
-from pipeserve.parallel.wire import BlockTableDiffer, SamplingSpec, SeqPlan, StepPlan, encode
-from pipeserve.runtime.worker.batch import BlockTableArray, StepInputs, to_tensors
+from pipeserve.parallel.wire import encode
 from pipeserve.runtime.config import EngineConfig
+from pipeserve.runtime.engine.executor import PlanBuilder, Sampled, SampleRequest
 from pipeserve.runtime.engine.llm_engine import LLMEngine
-from pipeserve.runtime.engine.executor import Sampled, SampleRequest
+from pipeserve.runtime.worker.batch import PlanInputs, to_tensors
 from pipeserve.runtime.model.loader import LoadedModel, read_config_and_tokenizer
 from pipeserve.runtime.engine.outputs import RequestOutputKind
 from pipeserve.scheduler.sampling_params import SamplingParams
 from pipeserve.scheduler import Request, Scheduler, SchedulerConfig, SchedulerLimits, SchedulerOutput
 
-PlanBuilder = Callable[[SchedulerOutput], object]
+BuildPlan = Callable[[SchedulerOutput], object]
+GREEDY = SampleRequest(SamplingParams(temperature=0.0), 0)
 
 
 def make_scheduler(num_requests: int, prompt_len: int, num_steps: int, *, block_size: int,
@@ -83,39 +85,28 @@ def fake_samples(out: SchedulerOutput) -> dict[str, int]:
     return {s.request_id: 7 for s in out.scheduled if s.needs_sample}
 
 
-def local_plan_builder(block_size: int) -> PlanBuilder:
-    """What LocalExecutor does before a forward (its block-table array persists across steps)."""
-    tables = BlockTableArray()
+def local_plan_builder(block_size: int) -> BuildPlan:
+    """The plan, then the worker's inputs from it (both persist across steps)."""
+    plans, inputs = PlanBuilder(), PlanInputs()
 
     def build(out: SchedulerOutput) -> object:
-        step = StepInputs.from_scheduler_output(out, tables)
+        plan = plans.build(out, {s.request_id: GREEDY for s in out.scheduled if s.needs_sample})
+        step = inputs.step_inputs(plan, can_feed=False)
         return to_tensors(step, block_size=block_size, device=torch.device("cpu"))
 
     return build
 
 
-def wire_plan_builder() -> PlanBuilder:
-    differ = BlockTableDiffer()
-    spec = SamplingSpec(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0, seed=None, logprobs=None)
+def wire_plan_builder() -> BuildPlan:
+    plans = PlanBuilder()
 
     def build(out: SchedulerOutput) -> bytes:
-        seqs = []
-        for s in out.scheduled:
-            start = s.num_computed_tokens
-            full, diff = differ.plan_for(s.request_id, s.block_table)
-            seqs.append(SeqPlan(
-                request_id=s.request_id, num_computed_tokens=start,
-                num_scheduled_tokens=s.num_scheduled_tokens,
-                new_token_ids=s.request.token_ids_between(start, start + s.num_scheduled_tokens),
-                block_table=full, block_table_diff=diff, needs_sample=s.needs_sample,
-                sampling=spec if s.needs_sample else None, num_output_tokens=s.request.num_output_tokens,
-            ))
-        return encode(StepPlan(step_id=out.step_id, seqs=seqs))
+        return encode(plans.build(out, {s.request_id: GREEDY for s in out.scheduled if s.needs_sample}))
 
     return build
 
 
-def time_steps(scheduler: Scheduler, build_plan: PlanBuilder | None, num_steps: int, *,
+def time_steps(scheduler: Scheduler, build_plan: BuildPlan | None, num_steps: int, *,
                clock: Callable[[], float] = time.process_time) -> dict[str, list[float]]:
     """Seconds per step of each phase (and their sum), one entry per step."""
     times: dict[str, list[float]] = {"schedule": [], "plan": [], "update": [], "total": []}
@@ -145,21 +136,19 @@ SAMPLE_TEXT = (
 
 
 class InstantExecutor:
-    """LocalExecutor without a model: it builds the step's inputs, then every sampled sequence
-    gets a token drawn from `token_ids`."""
+    """The in-process executor without a model: the plan and the worker's inputs are built, then
+    every sampled sequence gets a token drawn from `token_ids`."""
 
     max_in_flight = 1
 
     def __init__(self, token_ids: list[int], *, block_size: int, seed: int = 0) -> None:
         self.token_ids = token_ids
-        self.block_size = block_size
-        self.block_tables = BlockTableArray()
+        self.build = local_plan_builder(block_size)
         self.rng = random.Random(seed)
         self._done: dict[int, Sampled] = {}
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
-        step = StepInputs.from_scheduler_output(plan, self.block_tables)
-        to_tensors(step, block_size=self.block_size, device=torch.device("cpu"))
+        self.build(plan)
         self._done[plan.step_id] = Sampled({rid: self.rng.choice(self.token_ids) for rid in samples}, {})
 
     def result(self, plan: SchedulerOutput) -> Sampled:
@@ -169,7 +158,7 @@ class InstantExecutor:
         return [0.0]
 
     def free(self, request_id: str) -> None:
-        self.block_tables.free(request_id)
+        pass  # (the plans' freed lists are the builder's: this executor never announces frees)
 
     def idle(self) -> None:
         pass
@@ -179,9 +168,14 @@ class InstantExecutor:
 
 
 class _NoModel:
-    """Stands in for the weights, which an engine over InstantExecutor never runs."""
+    """Stands in for the weights, which an engine over InstantExecutor never runs: one layer's
+    worth of attributes for the worker the engine builds first."""
 
     ops = argparse.Namespace(name="none")
+    start_layer, num_layers, num_attention_layers = 0, 1, 1
+
+    def __init__(self, num_kv_heads: int) -> None:
+        self.num_local_kv_heads = num_kv_heads
 
     def set_ops(self, ops, **options) -> None:
         pass
@@ -200,7 +194,8 @@ def make_engine(num_requests: int, prompt_len: int, num_steps: int, *, block_siz
     config = EngineConfig(device="cpu", dtype="float32", block_size=block_size, max_model_len=max_model_len,
                           num_kv_blocks=num_requests * -(-max_model_len // block_size), scheduler=scheduler)
     # One layer: a small KV cache (never touched) for the forward that never runs.
-    loaded = LoadedModel(_NoModel(), dataclasses.replace(model_config, num_hidden_layers=1), tokenizer, path)
+    loaded = LoadedModel(_NoModel(model_config.num_key_value_heads), dataclasses.replace(model_config, num_hidden_layers=1),
+                         tokenizer, path)
     engine = LLMEngine(config, loaded=loaded)
     engine.executor = InstantExecutor(tokenizer.encode(SAMPLE_TEXT, add_special_tokens=False),
                                       block_size=block_size)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
+import glob
 import json
 import math
 import os
@@ -42,7 +43,7 @@ from pipeserve.runtime.bench.workload import (
     workload_summary,
 )
 from pipeserve.runtime.config import EngineConfig
-from pipeserve.runtime.engine import spmd
+from pipeserve.runtime.worker.worker import STAGE_STATS_DIR_ENV
 from pipeserve.runtime.engine.llm_engine import LLMEngine
 from pipeserve.scheduler.prefix_cache import PrefixCacheStats
 from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
@@ -128,10 +129,9 @@ class Bench:
     def __init__(self, config: EngineConfig, *, loaded=None, stage_dir: str | None = None) -> None:
         self.stage_dir = stage_dir
         if config.parallel.world_size > 1:
-            # Under torchrun rank 0 names the folder (spmd.run_beside); else a new one.
-            self.stage_dir = (stage_dir or os.environ.get("PIPESERVE_STAGE_STATS_DIR")
-                              or tempfile.mkdtemp(prefix="pipeserve-stages-"))
-            os.environ["PIPESERVE_STAGE_STATS_DIR"] = self.stage_dir  # torchrun passes it on
+            # The workers record their timelines; rank 0's writes every rank's here at shutdown.
+            self.stage_dir = stage_dir or tempfile.mkdtemp(prefix="pipeserve-stages-")
+            os.environ[STAGE_STATS_DIR_ENV] = self.stage_dir  # the workers inherit it
         self.engine = LLMEngine(config, loaded=loaded, record_steps=True)
         self.local_timer = None
         if config.parallel.world_size == 1:
@@ -237,10 +237,11 @@ class Bench:
         if self.local_timer is not None:
             return [self.local_timer.timeline]
         timelines = []
-        for path in spmd.stage_timeline_files(self.stage_dir, self.config.parallel.world_size):
+        # (written before the workers exited: engine.close() waits for them)
+        for path in sorted(glob.glob(os.path.join(self.stage_dir, "stage_rank*.json"))):
             with open(path) as f:
                 timelines.append(M.StageTimeline.from_json(json.load(f)))
-        os.environ.pop("PIPESERVE_STAGE_STATS_DIR", None)
+        os.environ.pop(STAGE_STATS_DIR_ENV, None)
         return timelines
 
 

@@ -10,7 +10,6 @@ long each pipeline stage has computed so far (``stage_busy_seconds``), for /metr
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import signal
 import subprocess
@@ -256,28 +255,5 @@ def launch_torchrun(world_size: int, env: dict[str, str]):
                f"--nproc-per-node={world_size}", "-m", "pipeserve.runtime.worker.worker"]
         # Own session: the whole worker tree can be signalled (and reaped) as one group.
         return subprocess.Popen(cmd, env=full_env, start_new_session=True)
-
-    return launch
-
-
-SPMD_ENDPOINTS_ENV = "PIPESERVE_SPMD_ENDPOINTS"
-"""Set by global rank 0 of a bench or serve run under torchrun (runtime/engine/spmd.py) for the child
-that holds the engine: the file where that engine writes its worker endpoints."""
-
-
-def launch_spmd_ranks():
-    """A launcher for DistributedExecutor when the workers are torchrun ranks already running
-    (bench and serve under torchrun, one node or several): it starts nothing and writes the
-    endpoints to the file ``PIPESERVE_SPMD_ENDPOINTS`` names, for global rank 0 to hand to
-    every rank. None where that variable is not set."""
-    path = os.environ.get(SPMD_ENDPOINTS_ENV)
-    if not path:
-        return None
-
-    def launch(plan_endpoint: str, result_endpoint: str) -> None:
-        with open(f"{path}.tmp", "w") as f:
-            json.dump({"plan": plan_endpoint, "result": result_endpoint}, f)
-        os.replace(f"{path}.tmp", path)  # the reader never sees half a file
-        return None
 
     return launch

@@ -25,7 +25,6 @@ from pipeserve.runtime.engine.executor import (
     InProcessExecutor,
     SampleRequest,
     WorkerFailure,
-    launch_spmd_ranks,
     launch_torchrun,
 )
 from pipeserve.runtime.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestOutputKind
@@ -379,7 +378,7 @@ def _distributed_executor(config: EngineConfig, launch) -> DistributedExecutor:
         if spmd.under_torchrun():  # the other ranks are the workers already; this one's is a child
             launch = spmd.launch_rank0_worker(env)
         else:
-            launch = launch_spmd_ranks() or launch_torchrun(par.world_size, env)
+            launch = launch_torchrun(par.world_size, env)
     return DistributedExecutor(
         world_size=par.world_size, depth=par.depth, host=par.bind_host,
         liveness_timeout_s=par.liveness_timeout_s, launch=launch,

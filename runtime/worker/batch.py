@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pipeserve.kernels.attention_metadata import AttentionMetadata
+from pipeserve.parallel.wire import BlockTableMirror, StepPlan
 
 
 @dataclass(kw_only=True, slots=True)
@@ -204,3 +205,44 @@ class _RowIds(dict):
         row = self.free.pop() if self.free else self.num_rows
         self[request_id] = row
         return row
+
+
+class PlanInputs:
+    """A worker's view of the engine's plans: every live request's block table, mirrored from the
+    plans' full tables and diffs and kept padded in one array, and each plan's ``StepInputs``."""
+
+    def __init__(self) -> None:
+        self.mirror = BlockTableMirror()
+        self.tables = BlockTableArray()
+
+    def step_inputs(self, plan: StepPlan, *, can_feed: bool) -> StepInputs:
+        """Drops ``plan.freed``, applies the plan's tables; ``can_feed``: this rank patches fed
+        decodes' tokens (a first stage with token feedback) or embeds none (a later stage)."""
+        for rid in plan.freed:
+            self.tables.free(rid)
+        tables = self.mirror.apply_plan(plan)
+        step = StepInputs(
+            request_ids=[s.request_id for s in plan.seqs],
+            token_ids=_token_ids(plan, can_feed=can_feed),
+            query_lens=[s.num_scheduled_tokens for s in plan.seqs],
+            start_positions=[s.num_computed_tokens for s in plan.seqs],
+            block_tables=tables,
+            needs_sample=[s.needs_sample for s in plan.seqs],
+        )
+        # A full table replaces the mirror's (a new or restarted request); a diff grows it.
+        step.padded_block_tables = self.tables.gather(step.request_ids, tables,
+                                                      [s.block_table is not None for s in plan.seqs])
+        return step
+
+
+def _token_ids(plan: StepPlan, *, can_feed: bool) -> list[int]:
+    """The plan's packed input tokens; a fed decode's is a placeholder 0 until stage 0's patch."""
+    ids: list[int] = []
+    for s in plan.seqs:
+        ids += s.new_token_ids
+        if s.feed_step >= 0:
+            if not can_feed:
+                raise RuntimeError("a plan feeds a decode but this worker runs without token feedback "
+                                   "(parallel.token_feedback differs between the engine and the workers)")
+            ids.append(0)
+    return ids
