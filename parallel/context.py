@@ -112,7 +112,7 @@ FEEDBACK_MAX_CTAS = 1
 each receive of sampled ids early (``parallel/feedback.py``), and a posted receive holds its CTAs
 until the ids arrive, beside the stage's own compute; the messages are a few hundred bytes.
 Beside an uncapped receive 16 layers of Llama-3-8B's products ran 48% slower, capped at one CTA
-13.5% (H200; ``tools/p2p_interference.py`` measured it)."""
+13.5% (H200)."""
 
 
 def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool = False) -> ParallelContext:

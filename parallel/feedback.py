@@ -19,9 +19,8 @@ the receive is ordered before the embedding on the stream.
 When a receive is posted matters on CUDA. An NCCL receive is a kernel that holds SMs until its
 data arrive, and it starts once the compute stream's work queued before the call is done.
 Posted right after plan j (the ids of j arrive only after the last stage has computed j), it
-spins beside the first stage's whole compute of j + 1: ``tools/p2p_interference.py`` measured
-16 layers of Llama-3-8B's products at 512 tokens 48% slower beside such a receive (13.5% with
-the group capped at one CTA; H200). So the receive of plan j's ids is posted after plan
+spins beside the first stage's whole compute of j + 1: 16 layers of Llama-3-8B's products at
+512 tokens ran 48% slower beside such a receive (13.5% with the group capped at one CTA; H200). So the receive of plan j's ids is posted after plan
 j + pp − 1 is queued, when j's ids are due (the last plan before one could be fed from j with
 pp decode groups; with more, a fed plan comes later still and finds them there): it then
 starts when the stage's device has nothing else to do. It is never left unposted while this
