@@ -120,9 +120,9 @@ scaling() {  # ~5 min: six runs of about 45 s (start-up and graph capture includ
   # TREE runs the same measurement.
   local w
   for w in uniform decode-heavy; do
-    run "scaling-$w-1gpu" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" --tokenizer "$TOK"
-    run "scaling-$w-pp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" --tokenizer "$TOK" --pp 2
-    run "scaling-$w-tp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" --tokenizer "$TOK" --tp 2
+    run "scaling-$w-1gpu" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL
+    run "scaling-$w-pp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --pp 2
+    run "scaling-$w-tp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 2
   done
 }
 

@@ -1,6 +1,6 @@
 """Offline throughput of one layout through the public ``LLM`` API, the way a user measures it:
 
-    python benchmarks/throughput.py --tokenizer .whl/gpt2_tokenizer.json [--tp 2] [--pp 2] [--workload decode-heavy]
+    python benchmarks/throughput.py [--tp 2] [--pp 2] [--workload decode-heavy] [--tokenizer tokenizer.json]
 
 A Llama-3-8B-shaped model with random bf16 weights (``load_format="dummy"``; throughput does not
 depend on the values), prompts of random token ids, every request the same number of output
@@ -13,12 +13,16 @@ tokens per second.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
 import shutil
+import sys
 import tempfile
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
@@ -33,17 +37,26 @@ WORKLOADS = {  # name: (requests, prompt range, output tokens)
 }
 
 
-def model_folder(tokenizer: str, num_layers: int) -> str:
+def model_folder(tokenizer: str | None, num_layers: int) -> str:
+    """A config-only folder; its tokenizer is ``tokenizer``, or the random-weights model's
+    generated one (this checkout's ``runtime/bench/dummy_model.py``, whatever tree runs)."""
     folder = tempfile.mkdtemp(prefix="pipeserve-llama3-8b-")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(dict(LLAMA3_8B, num_hidden_layers=num_layers), f)
-    shutil.copy(tokenizer, os.path.join(folder, "tokenizer.json"))
+    if tokenizer is not None:
+        shutil.copy(tokenizer, os.path.join(folder, "tokenizer.json"))
+        return folder
+    spec = importlib.util.spec_from_file_location("dummy_model", os.path.join(REPO, "runtime/bench/dummy_model.py"))
+    dummy = sys.modules["dummy_model"] = importlib.util.module_from_spec(spec)  # (its dataclasses look it up)
+    spec.loader.exec_module(dummy)
+    dummy.word_level_tokenizer().save(os.path.join(folder, "tokenizer.json"))
     return folder
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokenizer", required=True, help="a tokenizer.json of at most 50304 entries (GPT-2's)")
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer.json of at most 50304 entries (default: a generated one of GPT-2's size)")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform")
