@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -210,12 +209,11 @@ def test_when_graphs_are_on():
 
 
 def test_app_configs_set_the_field():
-    import pipeserve.configs
-    from omegaconf import OmegaConf
+    from hydra import compose, initialize_config_module
 
-    root = Path(pipeserve.configs.__file__).parent
     for name in ("generate", "serve", "bench", "profile"):
-        engine = OmegaConf.load(root / f"{name}.yaml").engine
+        with initialize_config_module(config_module="pipeserve.configs", version_base=None):
+            engine = compose(config_name=name).engine
         assert engine.cuda_graph_max_batch == 256 and engine.cuda_graph_max_tokens == 1024, name
 
 
