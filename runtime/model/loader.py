@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ import torch
 
 from pipeserve.kernels import kernel_ops
 from pipeserve.parallel.context import ParallelContext
+from pipeserve.runtime import progress
 from pipeserve.runtime.model.llama import LlamaForCausalLM
 from pipeserve.runtime.model.model_config import ModelConfig
 from pipeserve.runtime.model.tokenizer import Tokenizer
@@ -68,14 +70,33 @@ def load_model(
         "first_mlp_only": first_mlp_only,
         "last_attention_only": last_attention_only,
     }
+    start = time.perf_counter()
+    kind = "random weights" if load_format == "dummy" else "GGUF" if os.path.isfile(path) else "Hugging Face"
+    name = os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
+    where = str(device)
+    if parallel is not None and parallel.world_size > 1:  # (only rank 0 prints: its own part)
+        where = f"{parallel.world_size} {device.type} workers (tp={parallel.tp_size}, pp={parallel.pp_size})"
+    progress.info("loading %s (%s) on %s…", name, kind, where)
     if load_format == "dummy":
-        return _load_dummy(path, **shard)
-    if os.path.isfile(path):
-        return _load_gguf(path, **shard)
-    from pipeserve.runtime.model.weights import load_hf_model
+        loaded = _load_dummy(path, **shard)
+    elif os.path.isfile(path):
+        loaded = _load_gguf(path, **shard)
+    else:
+        from pipeserve.runtime.model.weights import load_hf_model
 
-    net, config = load_hf_model(path, **shard)
-    return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
+        net, config = load_hf_model(path, **shard)
+        loaded = LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
+    progress.info("loaded %s (%s) in %.1f s", _layers(loaded.model, loaded.config), str(dtype).removeprefix("torch."),
+                  time.perf_counter() - start)
+    return loaded
+
+
+def _layers(model: LlamaForCausalLM, config: ModelConfig) -> str:
+    """"30 layers", or a pipeline stage's "stage layers 0-14 of 30"."""
+    total = config.num_hidden_layers
+    if model.start_layer == 0 and model.end_layer == total:
+        return f"{total} layers"
+    return f"stage layers {model.start_layer}-{model.end_layer - 1} of {total}"
 
 
 def _load_gguf(path, **shard) -> LoadedModel:

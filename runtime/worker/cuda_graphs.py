@@ -44,8 +44,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from tqdm import tqdm
+
 from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.kernels.paged_attention import attention_work_list, mixed_block_m, work_list_size
+from pipeserve.runtime import progress
 from pipeserve.runtime.worker.batch import StepInputs, host_staging, host_to_device, pack_step
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.model.llama import LlamaForCausalLM
@@ -349,7 +352,11 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
-        for key in self.keys:
+        keys = self.keys
+        progress.info("capturing CUDA graphs: %d buckets (compiles each shape's kernels)…", len(keys))
+        # A bar on a terminal only (tqdm's disable=None), and only where the lines show.
+        for key in tqdm(keys, desc="pipeserve: CUDA graphs", unit="graph", leave=False,
+                        disable=None if progress.enabled() else True):
             meta = self._metadata(key)
             # Warm-up on the capture stream: compiles this shape's Triton kernels, creates the
             # stream's cuBLAS handle/workspace and (TP) the NCCL communicator, none of which

@@ -35,6 +35,7 @@ from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_u
 from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import BlockTableMirror, Shutdown, StepPlan, StepResult, WorkerError
+from pipeserve.runtime import progress
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
 from pipeserve.runtime.worker.batch import BlockTableArray, StepInputs, to_tensors
@@ -68,6 +69,7 @@ class Worker:
         several engines over one model). ``record``: keep every step's span for a benchmark's
         stage timeline (None: when ``PIPESERVE_STAGE_STATS`` or ``PIPESERVE_STAGE_STATS_DIR``
         is set)."""
+        start = time.perf_counter()
         self.config, self.ctx, self.device = config, ctx, device
         self.dtype = config.torch_dtype(device)
         if loaded is None:
@@ -83,6 +85,8 @@ class Worker:
             block_size=config.block_size, dtype=self.dtype, device=device,
             num_kv_heads=self.model.num_local_kv_heads,
         )
+        progress.info("KV cache: %d blocks of %d tokens (%.2f GiB%s)", self.num_kv_blocks, config.block_size,
+                      sum(t.nbytes for t in kv_caches) / 2**30, " on rank 0" if ctx.world_size > 1 else "")
         # Every TP rank of the stage captures the same buckets in the same order (NCCL inside).
         graphs = None
         if self._captures_graphs:
@@ -109,6 +113,7 @@ class Worker:
                 self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size)
             else:
                 self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1)
+        progress.info("ready in %.1f s", time.perf_counter() - start)
 
     def _load(self) -> LoadedModel:
         """This rank's slice of the checkpoint: its stage's layers, its TP shard."""
@@ -559,6 +564,8 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
     ``PIPESERVE_STAGE_STATS_DIR``. Exits the process (code 1) on an error, after telling the
     engine."""
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    if rank != 0:
+        progress.quiet()  # one set of progress lines per engine: global rank 0's
     if world != config.parallel.world_size:
         raise ValueError(f"torchrun started {world} ranks but parallel.tp × parallel.pp = {config.parallel.world_size}")
     device = _device(config, local_rank)
