@@ -13,9 +13,9 @@ import re
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from pipeserve.launch.generate import engine_config
+from pipeserve.launch.generate import engine_config, from_block
 from pipeserve.runtime.engine import spmd
 from pipeserve.runtime.serving.api_server import ServerConfig, run
 
@@ -23,11 +23,11 @@ _FLAGS = {"--api-key": "server.api_key", "--host": "server.host", "--port": "ser
 
 
 def server_config(cfg: DictConfig) -> ServerConfig:
-    return ServerConfig(**OmegaConf.to_container(cfg.server, resolve=True))
+    return from_block(ServerConfig, cfg.server, "server")
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="serve")
-def _app(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> None:
     engine_cfg, server_cfg = engine_config(cfg), server_config(cfg)
     if engine_cfg.parallel.world_size > 1 and spmd.under_torchrun():  # one node or several
         from pipeserve.launch import multinode
@@ -39,7 +39,8 @@ def _app(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
-def _flags_to_overrides(argv: list[str]) -> list[str]:
+def flags_to_overrides(argv: list[str]) -> list[str]:
+    """The command line with ``--api-key``, ``--host`` and ``--port`` as Hydra overrides."""
     out, i = [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")
@@ -62,10 +63,9 @@ def _quoted(value: str) -> str:
     return "'" + value.replace("'", "\\'") + "'"
 
 
-def main() -> None:
-    sys.argv = [sys.argv[0], *_flags_to_overrides(sys.argv[1:])]
-    _app()
+_flags_to_overrides = flags_to_overrides  # (the name tests/server/test_units.py imports)
 
 
 if __name__ == "__main__":
+    sys.argv = [sys.argv[0], *flags_to_overrides(sys.argv[1:])]
     main()
