@@ -63,7 +63,6 @@ def _quoted(value: str) -> str:
     return "'" + value.replace("'", "\\'") + "'"
 
 
-_flags_to_overrides = flags_to_overrides  # (the name tests/server/test_units.py imports)
 
 
 if __name__ == "__main__":

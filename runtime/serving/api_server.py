@@ -70,7 +70,8 @@ class ServerConfig:
     """How long the engine (and its workers) may take to load the model."""
     stats_interval_s: float = 0.5
     """How often the engine reports queue and KV figures for /metrics."""
-    log_level: str = "info"
+    log_level: str = "warning"
+    """uvicorn's; at warning nothing precedes the server's own ready line."""
     access_log: bool = False
 
     def __post_init__(self) -> None:

@@ -34,11 +34,11 @@ from pipeserve.parallel.context import ParallelContext, build_parallel_context, 
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
 from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
-from pipeserve.parallel.wire import BlockTableMirror, Shutdown, StepPlan, StepResult, WorkerError
+from pipeserve.parallel.wire import Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime import progress
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
-from pipeserve.runtime.worker.batch import BlockTableArray, StepInputs, to_tensors
+from pipeserve.runtime.worker.batch import PlanInputs, StepInputs, to_tensors
 from pipeserve.runtime.worker.cuda_graphs import GraphStep, capture_cuda_graphs
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from pipeserve.runtime.worker.model_runner import ModelRunner
@@ -94,8 +94,7 @@ class Worker:
                                          device=device)
         self.runner = ModelRunner(self.model, kv_caches=kv_caches, block_size=config.block_size, device=device,
                                   cuda_graphs=graphs)
-        self.mirror = BlockTableMirror()
-        self.tables = BlockTableArray()
+        self.plans = PlanInputs()
         self._generators: dict[str, torch.Generator | None] = {}
         self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
         # The busy total is always kept (/metrics); per-step spans only when asked (benchmarks).
@@ -215,21 +214,9 @@ class Worker:
     def execute(self, plan: StepPlan) -> StepResult | _PendingResult | None:
         for rid in plan.freed:
             self._generators.pop(rid, None)
-            self.tables.free(rid)
-        tables = self.mirror.apply_plan(plan)
         receiver = self.feedback_receiver
         feed = None if receiver is None else receiver.take(plan)
-        step = StepInputs(
-            request_ids=[s.request_id for s in plan.seqs],
-            token_ids=_token_ids(plan, can_feed=receiver is not None or not self.ctx.is_first_stage),
-            query_lens=[s.num_scheduled_tokens for s in plan.seqs],
-            start_positions=[s.num_computed_tokens for s in plan.seqs],
-            block_tables=tables,
-            needs_sample=[s.needs_sample for s in plan.seqs],
-        )
-        # A full table replaces the mirror's (a new or restarted request); a diff grows it.
-        step.padded_block_tables = self.tables.gather(step.request_ids, tables,
-                                                      [s.block_table is not None for s in plan.seqs])
+        step = self.plans.step_inputs(plan, can_feed=receiver is not None or not self.ctx.is_first_stage)
         t0 = time.perf_counter()
         inputs = self.runner.prepare(step)
         hidden_in = None
@@ -519,20 +506,6 @@ class BusyTimer:
             wall = self.spans[-1][1] - self.spans[0][0]
         return {"busy_s": busy, "wall_s": wall, "busy_fraction": busy / wall if wall else 0.0,
                 "num_steps": len(self.spans)}
-
-
-def _token_ids(plan: StepPlan, *, can_feed: bool) -> list[int]:
-    """The plan's packed input tokens; a fed decode's is a placeholder 0 until stage 0's patch
-    (``can_feed``: this rank has one, or does not embed)."""
-    ids: list[int] = []
-    for s in plan.seqs:
-        ids += s.new_token_ids
-        if s.feed_step >= 0:
-            if not can_feed:
-                raise RuntimeError("a plan feeds a decode but this worker runs without token feedback "
-                                   "(parallel.token_feedback differs between the engine and the workers)")
-            ids.append(0)
-    return ids
 
 
 def _device(config: EngineConfig, local_rank: int) -> torch.device:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeserve.launch.serve import _flags_to_overrides
+from pipeserve.launch.serve import flags_to_overrides
 from pipeserve.parallel.wire import EngineStats
 from pipeserve.runtime.serving.api_server import ServerConfig
 from pipeserve.runtime.serving.engine_server import _Stream
@@ -63,7 +63,7 @@ def test_chat_request_fields():
 
 
 def test_flags_become_overrides():
-    assert _flags_to_overrides(["--api-key", "k1", "--port=9000", "parallel.pp=2", "--host", "0.0.0.0"]) == [
+    assert flags_to_overrides(["--api-key", "k1", "--port=9000", "parallel.pp=2", "--host", "0.0.0.0"]) == [
         "server.api_key='k1'", "server.port=9000", "parallel.pp=2", "server.host='0.0.0.0'"]
 
 
