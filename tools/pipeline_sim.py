@@ -238,7 +238,7 @@ class _Simulation:
 
 def time_budget(cost_model: CostModel, tokens: int) -> float:
     """The predicted time of a ``tokens``-token micro-batch: a chunk at a 1,536-token prefix
-    beside 32 decodes at 2,000 (the benchmarks' time budgets, ``.ci/gpu_multi``)."""
+    beside 32 decodes at 2,000 (the time budgets of the bubbles in BENCHMARKS.md)."""
     if tokens <= 32:
         raise ValueError(f"a time budget's micro-batch needs more than its 32 decodes, got {tokens} tokens")
     return cost_model.predict(Work.of([(1536, tokens - 32)] + [(2000, 1)] * 32))
