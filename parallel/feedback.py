@@ -17,7 +17,7 @@ nothing here blocks the host:
 the receive is ordered before the embedding on the stream.
 
 When a receive is posted matters on CUDA. An NCCL receive is a kernel that holds SMs until its
-data arrive, and it starts once the compute stream's work queued before the call is done.
+data arrive, and it starts once the compute stream's work queued before it is done.
 Posted right after plan j (the ids of j arrive only after the last stage has computed j), it
 spins beside the first stage's whole compute of j + 1: 16 layers of Llama-3-8B's products at
 512 tokens ran 48% slower beside such a receive (13.5% with the group capped at one CTA; H200). So the receive of plan j's ids is posted after plan
@@ -44,7 +44,7 @@ from pipeserve.parallel.wire import StepPlan
 
 def warm_up(group: dist.ProcessGroup, *, src: int, dsts: list[int], rank: int, device: torch.device) -> None:
     """One exchange at start-up: NCCL creates a pair's communicator on its first send or
-    receive, blocking both hosts until the other arrives, which must not happen mid-run."""
+    receive, blocking both hosts until the other arrives, which must not happen while serving."""
     buf = torch.zeros(1, dtype=torch.int64, device=device)
     if rank == src:
         for work in [dist.isend(buf, dst=d, group=group) for d in dsts]:
@@ -158,7 +158,7 @@ class FeedbackReceiver:
         self._num_plans = 0
 
     def take(self, plan: StepPlan) -> FeedPatch | None:
-        """Call for every plan, in order, before its forward: the patch of its fed decodes
+        """For every plan, in order, before its forward: the patch of its fed decodes
         (None if it has none); then notes which of its sequences sample (``post_due`` receives
         them ``post_lag`` plans later)."""
         for rid in plan.freed:
@@ -198,14 +198,14 @@ class FeedbackReceiver:
 
     def post_due(self) -> None:
         """Posts the receives that are due: those of sampling plans taken ``post_lag`` or more
-        plans ago. Call after each plan's forward and hidden-state send are queued, so that
+        plans ago. Runs after each plan's forward and hidden-state send are queued, so that
         each receive is ordered after the compute that precedes its first use (module doc)."""
         newest = self._num_plans - 1 - self.post_lag
         while self._expected and self._expected[0][2] <= newest:
             self._receive_until(self._expected[0][0])
 
     def post(self) -> None:
-        """Posts the receives of every sampling plan taken so far. Call whenever this rank
+        """Posts the receives of every sampling plan taken so far. Needed whenever this rank
         would wait for something else (a plan; shutdown): a receive left unposted keeps the
         driver's send pending on its GPU, and a device-wide synchronization there (the caching
         allocator freeing memory for a large batch does one) would then wait for a receive that

@@ -1,8 +1,8 @@
 """The scheduler: queues, the configured policy, and the schedule/update contract.
 
 The engine loop is ``out = scheduler.schedule(); submit(out); ...; scheduler.update(out, ids)``.
-With pipeline parallelism several outputs are in flight: schedule() may be called again before
-update() for earlier outputs, and update() must be called in schedule order.
+With pipeline parallelism several outputs are in flight: schedule() may run again before
+update() for earlier outputs, and update() takes them in schedule order.
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ class Scheduler:
         return output
 
     def update(self, output: SchedulerOutput, sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Apply the results of ``output`` (call in schedule order).
+        """Apply the results of ``output`` (outputs in schedule order).
 
         Appends each sampled token to its request if it is still running and awaiting it
         (results for requests preempted, aborted or finished since are ignored) and returns

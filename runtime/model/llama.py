@@ -367,7 +367,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,
-        on every TP rank (last stage only; with TP > 1 a collective: all TP ranks call it)."""
+        on every TP rank (last stage only; with TP > 1 a collective that every TP rank joins)."""
         assert self.lm_head is not None, "compute_logits needs the last stage"
         return self.lm_head(hidden)
 

@@ -255,7 +255,7 @@ class IncrementalDetokenizer:
         return new_text
 
     def flush(self) -> str:
-        """Return any held-back text (call when the sequence finishes)."""
+        """Any held-back text, once the sequence has finished."""
         return self._emit(hold_incomplete=False)
 
     def _emit(self, hold_incomplete: bool) -> str:

@@ -134,7 +134,7 @@ class EngineServer:
         self._publish_stats(force=True)
 
     def _clock(self, *, active: bool) -> None:
-        """Adds the time since the last call to ``_active_s`` if the engine had work then."""
+        """Adds the time since the previous clock reading to ``_active_s`` if the engine had work then."""
         now = time.monotonic()
         if self._active_since is not None:
             self._active_s += now - self._active_since
