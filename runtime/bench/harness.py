@@ -127,16 +127,11 @@ class Bench:
     """An engine plus the bookkeeping to time workloads on it."""
 
     def __init__(self, config: EngineConfig, *, loaded=None, stage_dir: str | None = None) -> None:
-        self.stage_dir = stage_dir
-        if config.parallel.world_size > 1:
-            # The workers record their timelines; rank 0's writes every rank's here at shutdown.
-            self.stage_dir = stage_dir or tempfile.mkdtemp(prefix="pipeserve-stages-")
-            os.environ[STAGE_STATS_DIR_ENV] = self.stage_dir  # the workers inherit it
+        # The workers record their timelines and write them here at shutdown (in a group, rank 0
+        # writes every rank's; torchrun workers inherit the variable).
+        self.stage_dir = stage_dir or tempfile.mkdtemp(prefix="pipeserve-stages-")
+        os.environ[STAGE_STATS_DIR_ENV] = self.stage_dir
         self.engine = LLMEngine(config, loaded=loaded, record_steps=True)
-        self.local_timer = None
-        if config.parallel.world_size == 1:
-            self.local_timer = M.LocalStageTimer(self.engine.executor)
-            self.engine.executor = self.local_timer
         self.config = config
         self._seq = 0
         self._outputs: dict[str, list[int]] = {}  # the current run's generated tokens
@@ -234,8 +229,6 @@ class Bench:
     def close(self) -> list[M.StageTimeline]:
         """Stops the engine (and workers); returns every rank's stage timeline."""
         self.engine.close()
-        if self.local_timer is not None:
-            return [self.local_timer.timeline]
         timelines = []
         # (written before the workers exited: engine.close() waits for them)
         for path in sorted(glob.glob(os.path.join(self.stage_dir, "stage_rank*.json"))):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -171,25 +170,6 @@ class StageTimeline:
         """Only the micro-batches from ``first_step`` on (drops warm-up steps)."""
         spans = [s for s in self.spans if s.step_id >= first_step]
         return StageTimeline(self.stage, self.rank, spans, self.tp_rank, self.num_layers, self.host)
-
-
-class LocalStageTimer:
-    """Wraps the in-process executor (world size 1) to time each micro-batch on the host. Its
-    submit runs the model and samples, which returns the tokens to the host; so the host time is
-    the device time without adding any synchronization."""
-
-    def __init__(self, executor) -> None:
-        self._inner = executor
-        self.timeline = StageTimeline(stage=0, rank=0)
-
-    def submit(self, plan, samples) -> None:
-        t0 = time.monotonic()
-        self._inner.submit(plan, samples)
-        end = time.monotonic()
-        self.timeline.spans.append(StageSpan(plan.step_id, t0, t0, end, end))
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
 
 
 def stage_summary(timeline: StageTimeline, wall_start: float, wall_end: float) -> dict:
