@@ -109,28 +109,17 @@ class LLMEngine:
         dtype = config.torch_dtype(device)
         torch.manual_seed(config.seed)
         par = config.parallel
-        if par.world_size == 1:
+        if par.world_size == 1:  # a group of one, in this process
             worker = Worker(config, ParallelContext.single(), device, loaded=loaded)
             model_config, self.tokenizer = worker.model_config, worker.tokenizer
-        else:
-            model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
-        self.model_config = model_config
-        # Every stage's layers, as each worker will plan them: a bad override fails here, before
-        # any worker starts.
-        self.stage_layers = plan_model_stages(model_config, par.pp, override=par.stage_layers,
-                                              half_layers=par.half_layer_stages)
-        if config.deterministic:  # before any worker starts
-            check_reduction_layout(
-                num_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
-                head_dim=model_config.head_dim, intermediate_size=model_config.intermediate_size,
-                splits=config.effective_reduction_splits, tp_size=par.tp,
-            )
-        eos = tuple(model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
-        max_model_len = _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
-        if par.world_size == 1:
+            self.stage_layers, max_model_len = _check_layout(config, model_config)
             self.executor = InProcessExecutor(worker)
         else:
+            model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
+            self.stage_layers, max_model_len = _check_layout(config, model_config)  # before any worker starts
             self.executor = _distributed_executor(config, launch)
+        self.model_config = model_config
+        eos = tuple(model_config.eos_token_ids) or tuple(self.tokenizer.eos_token_ids)
         num_blocks = self.executor.num_kv_blocks
         self.state = EngineState(
             device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
@@ -356,6 +345,20 @@ def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     if requested > model_limit:
         raise ValueError(f"max_model_len {requested} exceeds the model's context length {model_limit}")
     return requested
+
+
+def _check_layout(config: EngineConfig, model_config) -> tuple[list, int]:
+    """(every stage's layers, as each worker plans them; the context length): a bad
+    ``stage_layers``, ``max_model_len`` or deterministic reduction layout is a ValueError here."""
+    par = config.parallel
+    if config.deterministic:
+        check_reduction_layout(
+            num_heads=model_config.num_attention_heads, num_kv_heads=model_config.num_key_value_heads,
+            head_dim=model_config.head_dim, intermediate_size=model_config.intermediate_size,
+            splits=config.effective_reduction_splits, tp_size=par.tp,
+        )
+    stages = plan_model_stages(model_config, par.pp, override=par.stage_layers, half_layers=par.half_layer_stages)
+    return stages, _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
 
 
 def _cost_model(config, device: torch.device) -> CostModel | None:

@@ -40,9 +40,7 @@ from pipeserve.parallel.tp_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    check_shape,
     default_weight_loader,
-    read_rows,
     shard_heads,
 )
 from pipeserve.runtime.model.model_config import ModelConfig
