@@ -9,6 +9,7 @@
 #   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget, 2 and 3 decode groups (twice each), orca
+#   stages    2 GPUs   pp=2 stage boundaries: whole layers against half layers, at DECODE_GROUPS decode groups (default 3)
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
@@ -26,7 +27,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling capacity bubbles roofline profile"
+SCENARIOS="peers prefix sharegpt scaling capacity bubbles stages roofline profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -178,6 +179,17 @@ bubbles() {  # ~10 min with a kept profile (each run ~1.5 min), ~12 without: run
       gaps bubbles-orca
     fi
   done
+}
+
+stages() {  # ~3 min with a kept profile: the bubbles load at DECODE_GROUPS decode groups, stage boundaries between whole layers, then inside one
+  need_gpus 2 || return 0
+  local cm budget
+  cm=$(cost_model) || { echo "stages: no profile"; return 0; }
+  budget=$([ -n "$DRY" ] && echo '<suggested_time_budget_s>' || python3 -c "import json, sys; print(round(json.load(open(sys.argv[1]))['suggested_time_budget_s'], 5))" "$cm")
+  local run="$ARXIV workload.rate=8 workload.num_requests=288 parallel.pp=2 parallel.decode_groups=${DECODE_GROUPS:-3}"
+  run="$run scheduler=sarathi scheduler.max_num_batched_tokens=4096 scheduler.cost_model_path=$cm scheduler.time_budget_s=$budget"
+  bench "bubbles-g${DECODE_GROUPS:-3}-whole" 150 0,1 $run
+  bench "bubbles-g${DECODE_GROUPS:-3}-half" 150 0,1 $run $HALF
 }
 
 gaps() {  # where a run's idle time went (tools.pipeline_gaps; CPU only), beside its log

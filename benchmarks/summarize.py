@@ -206,6 +206,7 @@ def profile(folder: str):
 
 
 SCENARIOS = {f.__name__: f for f in (peers, prefix, sharegpt, scaling, capacity, bubbles, roofline, profile)}
+SCENARIOS["stages"] = bubbles  # the same runs' table: whole against half layers
 
 
 def main(argv=None) -> None:
