@@ -89,7 +89,8 @@ def _columns_in_shards(dtype, seed):
 
 # Under the interpreter a row or column at another place in its tile may be summed in another
 # order (helpers_kernels.assert_invariant): float32 accumulation over K <= 320, one rounding.
-INVARIANCE_TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.float16: dict(rtol=1e-3, atol=1e-3)}
+INVARIANCE_TOL = {torch.float32: dict(rtol=1e-5, atol=2e-5), torch.float16: dict(rtol=1e-3, atol=1e-3),
+                  torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}  # (bf16 runs natively only: bits there)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

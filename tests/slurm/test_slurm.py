@@ -45,7 +45,10 @@ JOB_TIMEOUT_S = 240
 
 
 def has_submitit() -> bool:
-    return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    try:
+        return importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is not None
+    except ModuleNotFoundError:  # no hydra_plugins namespace at all
+        return False
 
 
 # ---- no Slurm needed
