@@ -17,6 +17,11 @@ after its SUB socket has received one. Hence when ``EngineChannel.handshake()`` 
 the plans that follow to all of them, in order. The plan socket never drops silently either:
 it is set to block (bounded) instead when a worker falls behind by a whole high-water mark.
 
+Authentication. Every socket speaks CURVE with the run's key (``parallel.auth``): the engine's
+two sockets are servers that admit only holders of that key, so no other process can read a
+plan or send a message; what fails the handshake is counted (``num_rejected``), and a frame
+from a member that does not decode is dropped and counted (``num_malformed``).
+
 Liveness. Each worker runs a thread that pushes a ``Heartbeat`` every
 ``heartbeat_interval_s`` and watches the engine's heartbeats on its own SUB socket (topic
 ``H`` only), so a worker stuck in a collective still learns that the engine died
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from pipeserve.parallel.auth import Guard, RunKey, secure_client
 from pipeserve.parallel.wire import (
     ENGINE_RANK,
     Heartbeat,
@@ -46,6 +52,7 @@ from pipeserve.parallel.wire import (
     StageBusy,
     StepPlan,
     StepResult,
+    WireError,
     WorkerError,
     decode,
     encode,
@@ -74,15 +81,15 @@ class TransportConfig:
     """Where the engine binds and how fast both sides give up on each other."""
 
     host: str = "127.0.0.1"
-    """Address the engine binds. Loopback by default: the sockets carry no authentication."""
+    """Address the engine binds. Loopback by default: only a run across nodes needs more."""
 
     advertise_host: str | None = None
     """Address workers connect to (multi-node: the engine node's name or IP). Defaults to
     ``host``, or to this machine's hostname when ``host`` is a wildcard."""
 
     allow_all_interfaces: bool = False
-    """Permit a wildcard ``host`` ("0.0.0.0", "*", "::"), which exposes the control plane
-    to the network."""
+    """Permit a wildcard ``host`` ("0.0.0.0", "*", "::"), which offers the control plane's
+    ports (authenticated, encrypted) to every network the machine is on."""
 
     plan_port: int = 0
     """TCP port of the plan PUB socket; 0 picks a free one."""
@@ -106,8 +113,8 @@ class TransportConfig:
     def __post_init__(self) -> None:
         if self.host in _ALL_INTERFACES and not self.allow_all_interfaces:
             raise ValueError(
-                f"host={self.host!r} exposes the unauthenticated control plane on every "
-                "interface; bind a specific address or set allow_all_interfaces=True"
+                f"host={self.host!r} offers the control plane on every interface; bind a "
+                "specific address or set allow_all_interfaces=True"
             )
         for name in ("plan_port", "result_port"):
             if not 0 <= getattr(self, name) <= 65535:
@@ -160,14 +167,18 @@ class EngineChannel:
     engine heartbeat when it is due).
     """
 
-    def __init__(self, config: TransportConfig, world_size: int) -> None:
+    def __init__(self, config: TransportConfig, world_size: int, *, key: RunKey) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.config = config
         self.world_size = world_size
+        self.key = key
         self.session = uuid.uuid4().hex
         self.hellos: dict[int, Hello] = {}
+        self.num_malformed = 0
+        """Frames from an authenticated peer that did not decode (dropped)."""
         self._ctx = zmq.Context()
+        self._guard = Guard(self._ctx, key)
         self._pub = _make_socket(self._ctx, zmq.PUB, send_timeout_s=config.send_timeout_s)
         self._pub_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -175,6 +186,8 @@ class EngineChannel:
         # Block (bounded by SNDTIMEO) rather than silently drop a plan for a slow worker.
         self._pub.setsockopt(zmq.XPUB_NODROP, 1)
         self._pull = _make_socket(self._ctx, zmq.PULL)
+        self._guard.serve(self._pub)
+        self._guard.serve(self._pull)
         try:
             plan_port = self._bind(self._pub, config.plan_port)
             result_port = self._bind(self._pull, config.result_port)
@@ -190,6 +203,16 @@ class EngineChannel:
         self._result_rank: int | None = None  # known after the handshake
         self.stage_busy_s: dict[int, float] = {}
         """Stage → its busy seconds so far, from the latest heartbeat of its TP rank 0."""
+
+    @property
+    def num_rejected(self) -> int:
+        """Connections refused so far: they did not prove they hold the run's key."""
+        return self._guard.num_rejected
+
+    def worker_env(self) -> dict[str, str]:
+        """What a worker's environment needs to reach this engine: its endpoints and the key."""
+        return dict(self.key.env(), PIPESERVE_PLAN_ENDPOINT=self.plan_endpoint,
+                    PIPESERVE_RESULT_ENDPOINT=self.result_endpoint)
 
     def _bind(self, sock: zmq.Socket, port: int) -> int:
         address = _tcp(self.config.host)
@@ -255,9 +278,13 @@ class EngineChannel:
         ranks = [h.rank for h in self.hellos.values() if h.stage == last_stage and h.tp_rank == 0]
         return min(ranks, default=None)
 
-    def _read(self) -> Message:
-        """Decode one pending message and note that its sender is alive."""
-        msg = decode(self._pull.recv(zmq.NOBLOCK))
+    def _read(self) -> Message | None:
+        """Decode one pending message and note that its sender is alive (None: malformed, dropped)."""
+        try:
+            msg = decode(self._pull.recv(zmq.NOBLOCK))
+        except WireError:
+            self.num_malformed += 1
+            return None
         rank = self._result_rank if isinstance(msg, StepResult) else getattr(msg, "rank", None)
         if rank in self._last_seen:
             self._last_seen[rank] = time.monotonic()
@@ -323,7 +350,7 @@ class EngineChannel:
         """Read everything pending without waiting."""
         while self._pull.poll(0, zmq.POLLIN):
             msg = self._read()
-            if not isinstance(msg, Heartbeat):
+            if msg is not None and not isinstance(msg, Heartbeat):
                 self._inbox.append(msg)
 
     def check_liveness(self) -> list[int]:
@@ -337,6 +364,7 @@ class EngineChannel:
         self._stopping.set()
         if self._beat_thread is not None:
             self._beat_thread.join(timeout=5.0)
+        self._guard.close()
         self._pub.close(linger=0)
         self._pull.close(linger=0)
         self._ctx.term()
@@ -362,6 +390,7 @@ class WorkerChannel:
         tp_rank: int,
         plan_endpoint: str,
         result_endpoint: str,
+        key: RunKey,
         on_engine_lost: Callable[[], None] | None = None,
         num_kv_blocks: int = 0,
         busy_s: Callable[[], float] | None = None,
@@ -374,15 +403,13 @@ class WorkerChannel:
                            num_kv_blocks=num_kv_blocks)
         self.plan_endpoint = plan_endpoint
         self.result_endpoint = result_endpoint
+        self.key = key
         self.session: str | None = None
         self._on_engine_lost = on_engine_lost
         self._busy_s = busy_s
         self._ctx = zmq.Context()
-        self._sub = _make_socket(self._ctx, zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, _PLAN_TOPIC)
-        self._sub.connect(plan_endpoint)
-        self._push = _make_socket(self._ctx, zmq.PUSH, send_timeout_s=config.send_timeout_s)
-        self._push.connect(result_endpoint)
+        self._sub = self._client(zmq.SUB, plan_endpoint, subscribe=_PLAN_TOPIC)
+        self._push = self._client(zmq.PUSH, result_endpoint, send_timeout_s=config.send_timeout_s)
         self._engine_seen = time.monotonic()  # written by both threads; a float store is atomic
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -390,6 +417,15 @@ class WorkerChannel:
     @property
     def rank(self) -> int:
         return self.hello.rank
+
+    def _client(self, kind: int, endpoint: str, *, subscribe: bytes | None = None,
+                send_timeout_s: float | None = None) -> zmq.Socket:
+        sock = _make_socket(self._ctx, kind, send_timeout_s=send_timeout_s)
+        secure_client(sock, self.key)
+        if subscribe is not None:
+            sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+        sock.connect(endpoint)
+        return sock
 
     def handshake(self) -> str:
         """Wait for the engine's ``Ready``, answer ``Hello``, start heartbeats; return the session.
@@ -450,11 +486,8 @@ class WorkerChannel:
 
     def _heartbeat_loop(self) -> None:
         # zmq sockets are not thread-safe: this thread creates, uses and closes its own.
-        push = _make_socket(self._ctx, zmq.PUSH)
-        push.connect(self.result_endpoint)
-        sub = _make_socket(self._ctx, zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, _HEARTBEAT_TOPIC)
-        sub.connect(self.plan_endpoint)
+        push = self._client(zmq.PUSH, self.result_endpoint)
+        sub = self._client(zmq.SUB, self.plan_endpoint, subscribe=_HEARTBEAT_TOPIC)
         try:
             self._beat_until_stopped(push, sub)
         finally:

@@ -25,7 +25,7 @@ import msgspec
 
 from pipeserve.scheduler.sampling_params import SamplingParams
 
-WIRE_VERSION = 4
+WIRE_VERSION = 5
 """Bumped on every incompatible change of any message below."""
 
 ENGINE_RANK = -1
@@ -249,6 +249,9 @@ class EngineStats(_Message, frozen=True, kw_only=True):
     wall time against which stage busy time gives the bubble fraction, 1 - busy/active."""
     draining: bool = False
     """The engine got SIGTERM: it takes no new requests and exits once the last one ends."""
+    num_rejected: int = 0
+    """Control-plane connections refused (they did not hold the run's key) and frames dropped
+    as malformed, on the engine's sockets and its workers', since the engine started."""
 
 
 Message = Union[

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from pipeserve.parallel.auth import RunKey
 from pipeserve.parallel.transport import EngineChannel, TransportConfig, TransportError
 from pipeserve.parallel.wire import BlockTableDiffer, SeqPlan, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime.worker.worker import STAGE_STATS_DIR_ENV, write_timelines
@@ -122,6 +123,10 @@ class InProcessExecutor:
     def idle(self) -> None:
         pass
 
+    def num_rejected(self) -> int:
+        """Control-plane connections refused and frames dropped: none in one process."""
+        return 0
+
     def close(self) -> None:
         self.worker.shutdown()
         if out_dir := os.environ.get(STAGE_STATS_DIR_ENV):
@@ -135,19 +140,21 @@ class DistributedExecutor:
 
     def __init__(self, *, world_size: int, depth: int, host: str, liveness_timeout_s: float,
                  launch, handshake_timeout_s: float = 600.0) -> None:
-        """`launch(plan_endpoint, result_endpoint)` starts the workers and returns a Popen
-        (or None when they are started by someone else, e.g. SPMD under torchrun)."""
+        """`launch(env)` starts the workers with `env` added to their environment (the engine's
+        endpoints and the run's control key) and returns a Popen (or None when they are started
+        by someone else, e.g. SPMD under torchrun). The key is ``PIPESERVE_CONTROL_KEY`` when
+        set (a job shares one across nodes), else a new one."""
         self.max_in_flight = depth
         self._plans = PlanBuilder()
         self._results: dict[int, StepResult] = {}
         self.channel = EngineChannel(
             TransportConfig(host=host, liveness_timeout_s=liveness_timeout_s,
                             handshake_timeout_s=handshake_timeout_s),
-            world_size,
+            world_size, key=RunKey.from_env() or RunKey.generate(),
         )
         self.proc: subprocess.Popen | None = None
         try:
-            self.proc = launch(self.channel.plan_endpoint, self.channel.result_endpoint)
+            self.proc = launch(self.channel.worker_env())
             hellos = self.channel.handshake(failed=self._exited)
         except BaseException:
             self.close()
@@ -183,6 +190,10 @@ class DistributedExecutor:
 
     def free(self, request_id: str) -> None:
         self._plans.free(request_id)
+
+    def num_rejected(self) -> int:
+        """Connections to the workers' control plane refused so far, and frames dropped as malformed."""
+        return self.channel.num_rejected + self.channel.num_malformed
 
     def idle(self) -> None:
         """Called by an idle engine loop: keeps the engine heartbeat going, checks workers."""
@@ -246,9 +257,8 @@ def _kill_group(pgid: int) -> None:
 def launch_torchrun(world_size: int, env: dict[str, str]):
     """A launcher for DistributedExecutor: one standalone torchrun of `world_size` workers."""
 
-    def launch(plan_endpoint: str, result_endpoint: str) -> subprocess.Popen:
-        full_env = dict(os.environ, **env, PIPESERVE_PLAN_ENDPOINT=plan_endpoint,
-                        PIPESERVE_RESULT_ENDPOINT=result_endpoint)
+    def launch(channel_env: dict[str, str]) -> subprocess.Popen:
+        full_env = dict(os.environ, **env, **channel_env)
         # torchrun would set 1 itself, with a banner on every start.
         full_env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

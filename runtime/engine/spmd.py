@@ -7,6 +7,10 @@ worker (``serve_as_worker``) until that engine shuts down, then returns.
     rank 0:   program ─ engine ──ZeroMQ──► worker child (rank 0, GPU 0 of its node)
     rank r:   worker (rank r) ◄──ZeroMQ── the same engine (endpoints from rank 0 over gloo)
 
+Every rank needs the run's control key (``parallel.auth``): ``PIPESERVE_CONTROL_KEY`` in the
+job's environment (what the Slurm templates set, and what a run across nodes needs), else a key
+file that rank 0's worker names to the ranks of its node.
+
 The engine stays out of stage 0's process, as everywhere, so scheduling never competes with its
 kernel launches for the GIL.
 """
@@ -20,6 +24,7 @@ import socket
 import subprocess
 import sys
 
+from pipeserve.parallel.auth import KEY_ENV, KEY_FILE_ENV, RunKey, write_key_file
 from pipeserve.runtime.config import EngineConfig
 
 
@@ -62,9 +67,12 @@ def launch_rank0_worker(env: dict[str, str]):
     rank's worker as a child process that joins the process group as rank 0 (it inherits
     torchrun's environment) and hands the endpoints to the other ranks."""
 
-    def launch(plan_endpoint: str, result_endpoint: str) -> subprocess.Popen:
-        full_env = dict(os.environ, **env, PIPESERVE_PLAN_ENDPOINT=plan_endpoint,
-                        PIPESERVE_RESULT_ENDPOINT=result_endpoint, PIPESERVE_WORKER_IGNORE_SIGTERM="1")
+    def launch(channel_env: dict[str, str]) -> subprocess.Popen:
+        # A rank whose environment lacks the key (it shares none with this engine) reads it from
+        # a file only this user can read, which the child names to it and removes once read.
+        key_file = write_key_file(RunKey.from_secret(channel_env[KEY_ENV]))
+        full_env = dict(os.environ, **env, **channel_env, PIPESERVE_WORKER_IGNORE_SIGTERM="1",
+                        **{KEY_FILE_ENV: key_file})
         return subprocess.Popen([sys.executable, "-m", "pipeserve.runtime.worker.worker"], env=full_env,
                                 start_new_session=True)
 

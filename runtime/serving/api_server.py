@@ -162,12 +162,16 @@ class OpenAIServing:
         """Queues n sequences per prompt (seeds offset per sequence, as the offline LLM does)."""
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         job = _Job(response_id, [], asyncio.Queue(), sum(len(p) for p in prompts), params.logprobs)
-        for ids in prompts:
-            for j in range(params.n):
-                seq_params = params.clone(n=1, seed=None if params.seed is None else (params.seed + j) % 2**64)
-                rid = f"{response_id}-{len(job.request_ids)}"
-                self.client.add(rid, ids, seq_params, stream=stream, sink=job.queue, index=len(job.request_ids))
-                job.request_ids.append(rid)
+        try:
+            for ids in prompts:
+                for j in range(params.n):
+                    seq_params = params.clone(n=1, seed=None if params.seed is None else (params.seed + j) % 2**64)
+                    rid = f"{response_id}-{len(job.request_ids)}"
+                    self.client.add(rid, ids, seq_params, stream=stream, sink=job.queue, index=len(job.request_ids))
+                    job.request_ids.append(rid)
+        except BaseException:
+            self.client.abort(job.request_ids)  # all of the request or none of it: no orphan sequence
+            raise
         self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
         self.jobs[response_id] = job
         return job

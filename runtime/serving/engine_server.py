@@ -2,7 +2,8 @@
 
     python -m pipeserve.runtime.serving.engine_server     (started by the HTTP frontend)
 
-It binds two loopback sockets (requests in: PULL; updates out: PUSH), builds the engine (which
+It binds two loopback sockets (requests in: PULL; updates out: PUSH; CURVE servers that admit
+only the run's key, from ``PIPESERVE_CONTROL_KEY``), builds the engine (which
 starts its workers: in this process for one device, else a torchrun, or under an outer torchrun
 rank 0's worker), prints one JSON line once it is ready to serve, with its endpoints and what
 the frontend needs to validate requests (max_model_len, vocab size, KV blocks), then loops:
@@ -30,6 +31,7 @@ import time
 
 import zmq
 
+from pipeserve.parallel.auth import KEY_ENV, Guard, RunKey
 from pipeserve.parallel.wire import (
     AbortRequest,
     AddRequest,
@@ -98,11 +100,14 @@ class _Stream:
 
 
 class EngineServer:
-    def __init__(self, engine: LLMEngine, requests: zmq.Socket, updates: zmq.Socket, *,
+    def __init__(self, engine: LLMEngine, requests: zmq.Socket, updates: zmq.Socket, *, guard: Guard,
                  stats_interval_s: float | None = None) -> None:
-        """`stats_interval_s`: publish EngineStats that often (None: never)."""
+        """`guard`: the sockets' CURVE server side; `stats_interval_s`: publish EngineStats that
+        often (None: never)."""
         self.engine, self.requests, self.updates = engine, requests, updates
+        self.guard = guard
         self.stats_interval_s = stats_interval_s
+        self._num_malformed = 0
         self._stop = False
         self._draining = False
         self._streams: dict[str, _Stream] = {}
@@ -150,6 +155,7 @@ class EngineServer:
             try:
                 msg = decode(self.requests.recv())
             except WireError as e:
+                self._num_malformed += 1
                 print(f"engine: dropped a malformed message: {e}", file=sys.stderr)
                 continue
             if isinstance(msg, AddRequest):
@@ -207,6 +213,7 @@ class EngineServer:
             num_free_kv_blocks=sched.block_manager.num_free_blocks,
             stage_busy_s=self.engine.executor.stage_busy_seconds(), active_s=self._active_until(now),
             draining=self._draining,
+            num_rejected=self.guard.num_rejected + self._num_malformed + self.engine.executor.num_rejected(),
         ))
         self._last_stats = now
 
@@ -226,10 +233,15 @@ class EngineServer:
 
 def main() -> int:
     config = engine_config_from_dict(json.loads(os.environ["PIPESERVE_ENGINE_CONFIG"]))
+    key = RunKey.from_env()
+    if key is None:
+        raise SystemExit(f"engine: no control key ({KEY_ENV}); the HTTP frontend starts this process")
     ctx = zmq.Context()
+    guard = Guard(ctx, key)
     requests, updates = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (requests, updates):
         sock.setsockopt(zmq.LINGER, 1000)
+        guard.serve(sock)
     # The frontend bounds what it has in flight; never block the engine loop on a send.
     updates.setsockopt(zmq.SNDHWM, 0)
     # Its one client (the frontend) runs on this host: loopback, even where the workers'
@@ -243,7 +255,7 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = LLMEngine(config)
     interval = float(os.environ.get("PIPESERVE_STATS_INTERVAL_S", "0.5"))
-    server = EngineServer(engine, requests, updates, stats_interval_s=interval)
+    server = EngineServer(engine, requests, updates, stats_interval_s=interval, guard=guard)
     signal.signal(signal.SIGTERM, server.drain)
     print(json.dumps(dict(endpoints, **_serving_info(engine))), flush=True)
     code = 0
@@ -255,6 +267,7 @@ def main() -> int:
         code = 1
     finally:
         engine.close()
+        guard.close()
         requests.close()
         updates.close()
     return code

@@ -8,7 +8,9 @@
     ... queue.get() -> Delta (finish_reason set on the last one) ...
     client.abort([request_id])
 
-Messages are the typed wire schema (msgpack, no pickle). Sends never block the event loop
+Messages are the typed wire schema (msgpack, no pickle), over CURVE with the run's key (the
+frontend makes it, or takes ``PIPESERVE_CONTROL_KEY``, and hands it to the engine): no other
+process can read or send them. Sends never block the event loop
 (the frontend bounds how many requests it has in flight); updates are read by one task that
 routes each delta to the queue of the HTTP request it belongs to.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from pipeserve.parallel.auth import RunKey, secure_client
 from pipeserve.parallel.wire import (
     AbortRequest,
     AddRequest,
@@ -67,18 +70,20 @@ class EngineProcess:
     """The engine (``runtime.engine_server --serve``) as a child process in its own session,
     so a terminal's Ctrl-C reaches only the frontend, which drains first."""
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    def __init__(self, proc: subprocess.Popen, key: RunKey) -> None:
         self.proc = proc
+        self.key = key
         self.info: dict = {}
 
     @classmethod
     def spawn(cls, config: EngineConfig, *, stats_interval_s: float = 0.5) -> EngineProcess:
         """Starts loading the model; `wait_ready` blocks until the engine can serve."""
-        env = dict(os.environ, PIPESERVE_ENGINE_CONFIG=json.dumps(engine_config_to_dict(config)),
+        key = RunKey.from_env() or RunKey.generate()
+        env = dict(os.environ, **key.env(), PIPESERVE_ENGINE_CONFIG=json.dumps(engine_config_to_dict(config)),
                    PIPESERVE_STATS_INTERVAL_S=str(stats_interval_s))
         proc = subprocess.Popen([sys.executable, "-m", "pipeserve.runtime.serving.engine_server"],
                                 env=env, stdout=subprocess.PIPE, bufsize=0, start_new_session=True)
-        return cls(proc)
+        return cls(proc, key)
 
     def wait_ready(self, *, timeout_s: float) -> dict:
         """The engine's ready line: endpoints, max_model_len, vocab_size, KV blocks, …"""
@@ -151,10 +156,12 @@ class AsyncEngineClient:
         self._requests = self._sync_ctx.socket(zmq.PUSH)
         self._requests.setsockopt(zmq.SNDHWM, 0)  # bounded by the frontend's admission control
         self._requests.setsockopt(zmq.LINGER, 2000)
+        secure_client(self._requests, engine.key)
         self._requests.connect(engine.info["requests"])
         self._async_ctx = zmq.asyncio.Context()
         self._updates = self._async_ctx.socket(zmq.PULL)
         self._updates.setsockopt(zmq.LINGER, 0)
+        secure_client(self._updates, engine.key)
         self._updates.connect(engine.info["updates"])
         self._tasks: list[asyncio.Task] = []
 
@@ -172,9 +179,15 @@ class AsyncEngineClient:
             sink: asyncio.Queue, index: int) -> None:
         if self.engine_error is not None:
             raise RuntimeError(self.engine_error)
+        # Encoded before the route is registered: a message that cannot be sent leaves nothing behind.
+        data = encode(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                                 stream=stream))
         self._routes[request_id] = (sink, index)
-        self._send(AddRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
-                              stream=stream))
+        try:
+            self._send_bytes(data)
+        except BaseException:
+            del self._routes[request_id]
+            raise
 
     def abort(self, request_ids) -> None:
         """Stops the unfinished ones of these requests (the engine frees their KV blocks); each
@@ -191,8 +204,11 @@ class AsyncEngineClient:
             sink.put_nowait(delta)
 
     def _send(self, msg) -> None:
+        self._send_bytes(encode(msg))
+
+    def _send_bytes(self, data: bytes) -> None:
         try:
-            self._requests.send(encode(msg), flags=zmq.NOBLOCK)
+            self._requests.send(data, flags=zmq.NOBLOCK)
         except zmq.Again:  # cannot happen with SNDHWM=0 and a connected peer; be loud if it does
             raise RuntimeError("the engine is not accepting messages") from None
 

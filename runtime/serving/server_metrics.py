@@ -69,7 +69,12 @@ class ServerMetrics:
                                  ["model_name", "finished_reason"], registry=r)
         self._rejected = Counter("pipeserve:requests_rejected", "HTTP requests answered with an error, "
                                  "by status code.", ["model_name", "status"], registry=r)
+        self.control_plane_rejected = Counter(
+            "pipeserve:control_plane_rejected", "Control-plane connections refused (without the run's key)"
+            " and frames dropped as malformed, on the engine's and the workers' sockets.", m,
+            registry=r).labels(model_name)
         self._model_name = model_name
+        self._num_rejected = 0  # as last reported, to turn the total into increments
         self._generated = 0
         self._samples: deque[tuple[float, int]] = deque()
         self._bubbles = BubbleWindow(_BUBBLE_WINDOW_S)
@@ -83,6 +88,8 @@ class ServerMetrics:
         self.kv_blocks_used.set(used)
         self.kv_usage.set(used / s.num_kv_blocks if s.num_kv_blocks else 0.0)
         self._update_stages(s.stage_busy_s, s.active_s)
+        self.control_plane_rejected.inc(max(0, s.num_rejected - self._num_rejected))
+        self._num_rejected = max(self._num_rejected, s.num_rejected)
         self._update_rate()
 
     def _update_stages(self, busy_s: list[float], active_s: float) -> None:

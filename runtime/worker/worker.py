@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pipeserve.parallel.auth import KEY_ENV, KEY_FILE_ENV, RunKey, remove_key_file
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, stage_ranks
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
 from pipeserve.parallel.stage_plan import plan_model_stages
@@ -549,8 +550,10 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=start_timeout_s + 60))
     endpoints = None
     if rank == 0:
-        endpoints = {"plan": os.environ["PIPESERVE_PLAN_ENDPOINT"], "result": os.environ["PIPESERVE_RESULT_ENDPOINT"]}
+        endpoints = {"plan": os.environ["PIPESERVE_PLAN_ENDPOINT"], "result": os.environ["PIPESERVE_RESULT_ENDPOINT"],
+                     "key_file": os.environ.get(KEY_FILE_ENV)}
     endpoints = broadcast_json(endpoints, control)
+    key = _control_key(endpoints["key_file"], rank, control)
     transport = TransportConfig(liveness_timeout_s=config.parallel.liveness_timeout_s,
                                 handshake_timeout_s=start_timeout_s)
     channel = None
@@ -559,7 +562,7 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
         worker = Worker(config, ctx, device, record=record)
         channel = WorkerChannel(
             transport, rank=rank, world_size=ctx.world_size, stage=ctx.stage, tp_rank=ctx.tp_rank,
-            plan_endpoint=endpoints["plan"], result_endpoint=endpoints["result"],
+            plan_endpoint=endpoints["plan"], result_endpoint=endpoints["result"], key=key,
             # A worker blocked in a collective cannot poll: leave from the heartbeat thread.
             on_engine_lost=lambda: os._exit(EXIT_ENGINE_LOST),
             num_kv_blocks=worker.num_kv_blocks,
@@ -581,6 +584,22 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
         if timelines is not None and (out_dir := os.environ.get(STAGE_STATS_DIR_ENV)):
             write_timelines(out_dir, timelines)
     dist.destroy_process_group()
+
+
+def _control_key(key_file: str | None, rank: int, control) -> RunKey:
+    """The run's control key: from this rank's environment, else from the file rank 0 named
+    (the ranks of an outer torchrun share no environment with its engine). Rank 0 removes the
+    file once every rank has its key."""
+    try:
+        key = RunKey.from_env()
+        if key is None and key_file is None:
+            raise ValueError(f"no control key: set {KEY_ENV} in every rank's environment")
+        key = key or RunKey.from_file(key_file)
+    finally:
+        dist.barrier(group=control)
+        if rank == 0 and key_file is not None:
+            remove_key_file(key_file)
+    return key
 
 
 def main() -> None:

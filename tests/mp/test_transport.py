@@ -9,6 +9,9 @@ import time
 
 import pytest
 
+from zmq.utils import z85
+
+from pipeserve.parallel.auth import RunKey
 from pipeserve.parallel.transport import (
     EngineChannel,
     TransportConfig,
@@ -18,6 +21,8 @@ from pipeserve.parallel.transport import (
 )
 from pipeserve.parallel.wire import SeqPlan, Shutdown, StepPlan, StepResult
 
+# The same key in every spawned process (the run's key; the attacker tests make their own).
+KEY = RunKey.from_secret(z85.encode(bytes(range(32))))
 LIVENESS_S = 2.0
 EXIT_SHUTDOWN, EXIT_ENGINE_LOST, EXIT_LOST_NO_CALLBACK, EXIT_LOST_BY_MISTAKE = 0, 3, 4, 5
 
@@ -43,7 +48,7 @@ def echo_worker(rank, world_size, plan_endpoint, result_endpoint, delay_s=0.0, c
     lost = threading.Event()
     channel = WorkerChannel(fast_config(), rank=rank, world_size=world_size, stage=rank,
                             tp_rank=0, plan_endpoint=plan_endpoint,
-                            result_endpoint=result_endpoint, on_engine_lost=lost.set)
+                            result_endpoint=result_endpoint, on_engine_lost=lost.set, key=KEY)
     try:
         if connected is not None:
             connected.set()
@@ -63,7 +68,7 @@ def echo_worker(rank, world_size, plan_endpoint, result_endpoint, delay_s=0.0, c
 
 def engine_main(world_size, endpoints, handshake_done, run_s=30.0):
     """An engine that hands out its endpoints, handshakes, then idles (heartbeating)."""
-    engine = EngineChannel(fast_config(), world_size)
+    engine = EngineChannel(fast_config(), world_size, key=KEY)
     try:
         endpoints.put((engine.plan_endpoint, engine.result_endpoint))
         engine.handshake()
@@ -118,7 +123,7 @@ def collect_results(engine, count, timeout_s) -> dict[int, list[int]]:
 
 
 def test_staggered_workers_handshake_and_receive_every_plan_in_order():
-    engine = EngineChannel(fast_config(), world_size=3)
+    engine = EngineChannel(fast_config(), world_size=3, key=KEY)
     procs = []
     try:
         for rank, delay_s in enumerate((0.0, 0.3, 0.8)):
@@ -142,7 +147,7 @@ def test_staggered_workers_handshake_and_receive_every_plan_in_order():
 
 
 def test_killed_worker_is_reported_by_check_liveness():
-    engine = EngineChannel(fast_config(), world_size=2)
+    engine = EngineChannel(fast_config(), world_size=2, key=KEY)
     procs = []
     try:
         procs = [start(echo_worker, rank, 2, engine.plan_endpoint, engine.result_endpoint)
@@ -186,7 +191,7 @@ def test_worker_exits_by_itself_when_engine_is_killed():
 def test_handshake_timeout_names_missing_rank_and_keeps_early_workers_alive():
     # Longer than the liveness timeout: rank 0, busy right after its handshake, must keep
     # hearing engine heartbeats while the engine still waits for rank 1.
-    engine = EngineChannel(fast_config(handshake_timeout_s=LIVENESS_S + 1.0), world_size=2)
+    engine = EngineChannel(fast_config(handshake_timeout_s=LIVENESS_S + 1.0), world_size=2, key=KEY)
     connected = CTX.Event()
     procs = []
     try:
@@ -207,7 +212,7 @@ def test_handshake_timeout_names_missing_rank_and_keeps_early_workers_alive():
 def test_worker_handshake_times_out_without_engine():
     channel = WorkerChannel(fast_config(handshake_timeout_s=0.3), rank=0, world_size=1, stage=0,
                             tp_rank=0, plan_endpoint="tcp://127.0.0.1:9",
-                            result_endpoint="tcp://127.0.0.1:9")
+                            result_endpoint="tcp://127.0.0.1:9", key=KEY)
     try:
         started = time.monotonic()
         with pytest.raises(TransportTimeout, match="no Ready"):
@@ -219,7 +224,7 @@ def test_worker_handshake_times_out_without_engine():
 
 
 def test_world_size_mismatch_is_rejected():
-    engine = EngineChannel(fast_config(handshake_timeout_s=10), world_size=1)
+    engine = EngineChannel(fast_config(handshake_timeout_s=10), world_size=1, key=KEY)
     procs = []
     try:
         procs.append(start(echo_worker, 1, 2, engine.plan_endpoint, engine.result_endpoint))
@@ -255,7 +260,7 @@ def test_config_validation(kwargs):
 
 
 def test_endpoints_are_loopback_and_fixed_ports_are_honoured():
-    engine = EngineChannel(TransportConfig(), world_size=1)
+    engine = EngineChannel(TransportConfig(), world_size=1, key=KEY)
     try:
         assert engine.plan_endpoint.startswith("tcp://127.0.0.1:")
         assert engine.result_endpoint.startswith("tcp://127.0.0.1:")
@@ -263,7 +268,7 @@ def test_endpoints_are_loopback_and_fixed_ports_are_honoured():
         port = int(engine.plan_endpoint.rsplit(":", 1)[1])
     finally:
         engine.close()
-    fixed = EngineChannel(TransportConfig(plan_port=port), world_size=1)
+    fixed = EngineChannel(TransportConfig(plan_port=port), world_size=1, key=KEY)
     try:
         assert fixed.plan_endpoint.endswith(f":{port}")
     finally:
@@ -271,11 +276,11 @@ def test_endpoints_are_loopback_and_fixed_ports_are_honoured():
 
 
 def test_heartbeats_carry_stage_busy_time():
-    engine = EngineChannel(fast_config(), world_size=2)
+    engine = EngineChannel(fast_config(), world_size=2, key=KEY)
     busy = [0.0]
     workers = [WorkerChannel(fast_config(), rank=rank, world_size=2, stage=rank, tp_rank=0,
                              plan_endpoint=engine.plan_endpoint, result_endpoint=engine.result_endpoint,
-                             busy_s=(lambda: busy[0]) if rank == 1 else None)
+                             busy_s=(lambda: busy[0]) if rank == 1 else None, key=KEY)
                for rank in range(2)]
     threads = [threading.Thread(target=w.handshake, daemon=True) for w in workers]
     try:

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -242,6 +243,50 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports on which these processes listen (their sockets' inodes against /proc/net/tcp*),
+    what `ss -ltnp` shows."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:["):-1])
+        except OSError:
+            continue
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def speaks_zeromq(port: int) -> bool:
+    """A ZeroMQ (ZMTP 3) peer greets a new connection first: 0xFF, 8 bytes, 0x7F."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+            greeting = b""
+            while len(greeting) < 10:
+                chunk = s.recv(10 - len(greeting))
+                if not chunk:
+                    return False
+                greeting += chunk
+            return greeting[0] == 0xFF and greeting[9] == 0x7F
+    except OSError:
+        return False
 
 
 def rss_mb(pid: int) -> float:

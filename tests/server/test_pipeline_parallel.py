@@ -12,7 +12,22 @@ import time
 
 import openai
 import pytest
-from helpers_server import API_KEY, MODEL, QUESTIONS, Server, chat, descendants, run_load, wait_gone
+import zmq
+from helpers_server import (
+    API_KEY,
+    MODEL,
+    QUESTIONS,
+    Server,
+    chat,
+    descendants,
+    listening_ports,
+    run_load,
+    speaks_zeromq,
+    wait_gone,
+)
+
+from pipeserve.parallel.wire import AbortRequest, AddRequest, Shutdown, StepResult, WorkerError, encode
+from pipeserve.scheduler.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,6 +65,43 @@ def test_one_process_reports_its_stage_live(server):
 
 def test_pp2_reports_every_stage_live(pp2):
     check_stage_metrics(pp2, 2)
+
+
+def test_pp2_a_local_process_without_the_key_can_neither_read_nor_disturb(pp2):
+    """The attacker knows every port the server's processes listen on (as `ss -ltn` shows them)
+    but not the run's key. While clients stream, it subscribes to every ZeroMQ port, pulls from
+    each (to steal deltas), and pushes forged messages: a worker failure, a result, a shutdown,
+    a request of its own, garbage. The clients get exactly the answers of a quiet run, the spies
+    read nothing, the server stays up and counts the refused connections."""
+    quiet = asyncio.run(run_load(pp2.url, 4))
+    pids = [pp2.proc.pid, *descendants(pp2.proc.pid)]
+    ports = [p for p in listening_ports(pids) if p != pp2.port and speaks_zeromq(p)]
+    assert len(ports) >= 4  # the engine's requests and updates; its plan and result sockets
+    forged = [WorkerError(rank=1, message="forged failure"), Shutdown(reason="forged"),
+              StepResult(step_id=1, request_ids=["x"], token_ids=[1]),
+              AddRequest(request_id="intruder", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4)),
+              AbortRequest(request_id="x")]
+    ctx = zmq.Context()
+    spies = []
+    try:
+        for port in ports:
+            sub, pull, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            for sock in (sub, pull, push):
+                sock.connect(f"tcp://127.0.0.1:{port}")
+            for msg in forged:
+                push.send(encode(msg), zmq.NOBLOCK)
+            push.send(b"\xc1garbage", zmq.NOBLOCK)
+            spies += [sub, pull]
+        attacked = asyncio.run(run_load(pp2.url, 4))
+        assert attacked == quiet
+        assert not any(spy.poll(100) for spy in spies)
+        status, _, _ = pp2.request("GET", "/health", timeout_s=30.0)
+        assert status == 200
+        m = pp2.wait_until(lambda m: m.get("pipeserve:control_plane_rejected_total", 0) >= len(ports), timeout_s=30)
+        assert m["pipeserve:num_requests_running"] == 0 and m["pipeserve:num_requests_waiting"] == 0
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_pp2_serves_like_one_process(server, pp2):
