@@ -327,6 +327,10 @@ def validate_request(
         raise ValueError("the prompt is empty")
     if any(t < 0 or t >= vocab_size for t in ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if any(t >= vocab_size for t in params.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), the model's vocabulary")
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), got {params.top_k}")
     if len(ids) >= max_model_len:
         raise ValueError(
             f"the prompt has {len(ids)} tokens; max_model_len is {max_model_len}, which leaves no room to generate"

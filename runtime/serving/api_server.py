@@ -134,7 +134,9 @@ class OpenAIServing:
             _, ids, _ = validate_request(ids, params, tokenizer=self.tokenizer, vocab_size=self.info["vocab_size"],
                                          max_model_len=self.info["max_model_len"])
         except ValueError as e:
-            raise ApiError(400, str(e), param="max_tokens" if "max_tokens" in str(e) else param) from None
+            field = next((f for f in ("stop_token_ids", "top_k", "max_tokens") if str(e).startswith(f)
+                          or (f == "max_tokens" and f in str(e))), param)
+            raise ApiError(400, str(e), param=field) from None
         return ids
 
     def encode(self, text: str) -> list[int]:

@@ -52,6 +52,18 @@ CASES = [
     ("oversized-body", COMP, js({"prompt": "x" * (5 * 2**20)}), 413, "larger"),
     ("unsupported-penalty", CHAT, js({"messages": MSG, "presence_penalty": 1.0}), 400, "presence_penalty"),
 ]
+# Integers beyond what the wire (64 bits) or the model (its vocabulary) holds: each a 400 naming
+# the field, never a 500 that leaks an admission slot (n=2: no first sequence left running).
+OVERSIZED = [
+    ("seed-2^64", COMP, js({"prompt": "a", "max_tokens": 2, "seed": 2**64}), 400, "seed"),
+    ("seed-2^64-n2", COMP, js({"prompt": "a", "max_tokens": 2, "n": 2, "seed": 2**64}), 400, "seed"),
+    ("top-k-2^70", CHAT, js({"messages": MSG, "max_tokens": 2, "top_k": 2**70}), 400, "top_k"),
+    ("top-k-above-vocab", CHAT, js({"messages": MSG, "max_tokens": 2, "top_k": 10**6}), 400, "top_k"),
+    ("stop-token-2^70", COMP, js({"prompt": "a", "max_tokens": 2, "stop_token_ids": [2**70]}), 400, "stop_token_ids"),
+    ("stop-token-above-vocab", COMP, js({"prompt": "a", "n": 2, "stop_token_ids": [10**6]}), 400, "stop_token_ids"),
+    ("min-tokens-2^65", COMP, js({"prompt": "a", "max_tokens": 2, "min_tokens": 2**65}), 400, "min_tokens"),
+]
+CASES += OVERSIZED
 
 
 @pytest.mark.parametrize("path, body, status, word", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
@@ -74,6 +86,18 @@ def test_wrong_api_key(server):
     status, headers, data = server.request("GET", "/v1/models", headers={"Authorization": "Bearer nope"})
     assert status == 401 and json.loads(data)["error"]["code"] == "invalid_api_key"
     assert headers.get("www-authenticate", headers.get("WWW-Authenticate")) == "Bearer"
+
+
+def test_a_thousand_oversized_integers_then_a_normal_answer(server):
+    """The request shape that once locked every client out: each 400 must release everything."""
+    for i in range(1000):
+        _, path, body, status, _ = OVERSIZED[i % len(OVERSIZED)]
+        got, _, data = server.request("POST", path, body)
+        assert got == status, data[:300]
+    status, r = server.post(COMP, {"prompt": "The sky is", "max_tokens": 2, "temperature": 0})
+    assert status == 200 and r["usage"]["completion_tokens"] == 2
+    m = server.wait_idle(timeout_s=30)
+    assert m["pipeserve:num_requests_in_flight"] == 0 and m["pipeserve:kv_cache_blocks_used"] == 0
 
 
 def test_still_serving_and_nothing_leaked(server):
