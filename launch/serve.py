@@ -4,7 +4,8 @@ The frontend (this process: HTTP, tokenization, chat templates) starts the engin
 which starts tp × pp torchrun workers itself when parallel.tp × parallel.pp > 1. Started under
 torchrun itself (one node or several: launch/slurm/serve_multinode.sbatch), global rank 0 runs
 the frontend in a child process and every rank serves as a worker (launch/multinode.py).
-`--api-key KEY`, `--host H` and `--port P` are accepted as shorthands for `server.*=`.
+`--api-key KEY`, `--api-key-file PATH`, `--host H` and `--port P` are accepted as shorthands for
+`server.*=`.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from omegaconf import DictConfig
 
 from pipeserve.launch.generate import engine_config, from_block
 from pipeserve.runtime.engine import spmd
-from pipeserve.runtime.serving.api_server import ServerConfig, run
+from pipeserve.runtime.serving.api_server import ServerConfig, run, with_api_key_from_file
 
-_FLAGS = {"--api-key": "server.api_key", "--host": "server.host", "--port": "server.port"}
+_FLAGS = {"--api-key": "server.api_key", "--api-key-file": "server.api_key_file", "--host": "server.host",
+          "--port": "server.port"}
 
 
 def server_config(cfg: DictConfig) -> ServerConfig:
-    return from_block(ServerConfig, cfg.server, "server")
+    return with_api_key_from_file(from_block(ServerConfig, cfg.server, "server"))
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="serve")
@@ -40,7 +42,7 @@ def main(cfg: DictConfig) -> None:
 
 
 def flags_to_overrides(argv: list[str]) -> list[str]:
-    """The command line with ``--api-key``, ``--host`` and ``--port`` as Hydra overrides."""
+    """The command line with ``--api-key``, ``--api-key-file``, ``--host`` and ``--port`` as Hydra overrides."""
     out, i = [], 0
     while i < len(argv):
         name, eq, value = argv[i].partition("=")

@@ -15,13 +15,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -29,6 +32,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine.llm_engine import validate_request
@@ -44,6 +48,7 @@ from pipeserve.scheduler.sampling_params import SamplingParams
 from pipeserve.runtime.serving.server_metrics import ServerMetrics
 
 logger = logging.getLogger("pipeserve.server")
+_ALL_INTERFACES = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -54,6 +59,16 @@ class ServerConfig:
     """TCP port; 0 picks a free one (the ready line on stdout says which)."""
     api_key: str | None = None
     """If set, every route but /health wants `Authorization: Bearer <api_key>`."""
+    api_key_file: str | None = None
+    """A file whose first line is the API key (keeps it out of `ps` and the shell's history);
+    used when ``api_key`` is not set."""
+    allowed_hosts: list[str] | None = None
+    """Host header values the server answers (port stripped; "*" for any). None: localhost,
+    127.0.0.1, ::1, the listening address, this machine's name, and any IP address when the
+    server listens on every interface. A web page cannot then reach a key-less local server
+    through a name it controls (DNS rebinding)."""
+    body_timeout_s: float = 30.0
+    """Longest a client may take to send a request body; then 408."""
     served_model_name: str | None = None
     """The `model` clients name; None = the checkpoint's file or folder name."""
     max_queue_depth: int = 1024
@@ -85,7 +100,10 @@ class ServerConfig:
         for name in ("max_sequences_per_request", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"server.{name} must be >= 1")
-        if self.drain_timeout_s <= 0 or self.engine_start_timeout_s <= 0 or self.stats_interval_s <= 0:
+        if self.api_key is not None and self.api_key_file is not None:
+            raise ValueError("set server.api_key or server.api_key_file, not both")
+        if (self.drain_timeout_s <= 0 or self.engine_start_timeout_s <= 0 or self.stats_interval_s <= 0
+                or self.body_timeout_s <= 0):
             raise ValueError("server timeouts and intervals must be > 0")
 
 
@@ -276,21 +294,31 @@ def _sse(data: dict | str) -> str:
 # ---- routes ---------------------------------------------------------------------------------------
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, config: ServerConfig) -> bytes:
+    """The whole body: 413 past ``max_body_bytes``, 408 when it takes longer than
+    ``body_timeout_s``; ClientGone when the client hangs up before it is in."""
+    limit = config.max_body_bytes
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(config.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {config.body_timeout_s:g} s",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise ClientGone() from None
     return b"".join(chunks)
 
 
 async def completions(request: Request, s: OpenAIServing) -> Response:
-    req: CompletionRequest = parse(CompletionRequest, await read_body(request, s.config.max_body_bytes))
+    req: CompletionRequest = parse(CompletionRequest, await read_body(request, s.config))
     req.check_unsupported()
     s.check_model(req.model)
     params = s.sampling_params(dict(req.sampling_fields(), n=req.n, max_tokens=req.max_tokens,
@@ -345,7 +373,7 @@ async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool):
 
 
 async def chat_completions(request: Request, s: OpenAIServing) -> Response:
-    req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, s.config.max_body_bytes))
+    req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, s.config))
     req.check_unsupported()
     s.check_model(req.model)
     params = s.sampling_params(dict(req.sampling_fields(), n=req.n, max_tokens=req.token_limit,
@@ -472,16 +500,90 @@ def build_app(s: OpenAIServing) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
 
-    @app.exception_handler(Exception)
-    async def internal_error(_: Request, e: Exception) -> Response:
-        logger.exception("internal error")
-        s.metrics.on_rejected(500)
-        return JSONResponse(ApiError(500, f"internal error: {type(e).__name__}", type="server_error").body(),
-                            status_code=500)
-
     if s.config.api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=s.config.api_key, on_reject=s.metrics.on_rejected)
+    app.add_middleware(_RequestGuard, allowed_hosts=allowed_hosts(s.config), on_reject=s.metrics.on_rejected)
     return app
+
+
+def allowed_hosts(config: ServerConfig) -> frozenset[str] | None:
+    """The Host header values the server answers (lower case, no port); None: any."""
+    if config.allowed_hosts is not None:
+        hosts = {h.lower().strip("[]") for h in config.allowed_hosts}
+        return None if "*" in hosts else frozenset(hosts)
+    return frozenset({"localhost", "127.0.0.1", "::1", config.host.lower().strip("[]"),
+                      socket.gethostname().lower(), socket.getfqdn().lower()})
+
+
+def _host_of(header: str) -> str:
+    """The host of a Host header, lower case, without its port ("[::1]:8000" -> "::1")."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].split("]", 1)[0]
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+class _RequestGuard:
+    """ASGI middleware around everything else:
+
+    - the Host header must name this server (``allowed_hosts``; any IP address too when it
+      listens on every interface): a page that rebinds its own name to 127.0.0.1 gets a 400;
+    - a POST with a body must say ``Content-Type: application/json`` (415 otherwise): a web page
+      can send a text/plain POST without asking the browser's CORS preflight first;
+    - an error escaping a route is a 500 answer on a connection that stays open (a pooled client
+      keeps its connection), logged once; a client that hung up mid-request is no error at all."""
+
+    def __init__(self, app, allowed_hosts: frozenset[str] | None, on_reject) -> None:
+        self.app, self.allowed, self.on_reject = app, allowed_hosts, on_reject
+        self.any_ip = False
+        if allowed_hosts is not None:
+            self.any_ip = any(h in _ALL_INTERFACES for h in allowed_hosts)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if error := self._refusal(scope, headers):
+            self.on_reject(error.status)
+            return await JSONResponse(error.body(), status_code=error.status)(scope, receive, send)
+        started = False
+
+        async def tracked(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except (ClientGone, ClientDisconnect):
+            self.on_reject(499)
+        except Exception as e:  # noqa: BLE001 - the last place to answer instead of dropping the connection
+            logger.exception("internal error")
+            self.on_reject(500)
+            if not started:
+                body = ApiError(500, f"internal error: {type(e).__name__}", type="server_error").body()
+                await JSONResponse(body, status_code=500)(scope, receive, send)
+
+    def _refusal(self, scope, headers: dict) -> ApiError | None:
+        host = _host_of(headers.get(b"host", b"").decode("latin-1"))
+        if self.allowed is not None and host not in self.allowed and not (self.any_ip and _is_ip(host)):
+            return ApiError(400, f"the Host header {host!r} is not one of this server's names "
+                            "(server.allowed_hosts)", code="host_not_allowed")
+        has_body = headers.get(b"content-length", b"0") not in (b"0", b"") or b"transfer-encoding" in headers
+        if scope["method"] == "POST" and has_body:
+            media = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+            if media != b"application/json":
+                return ApiError(415, "the request body must be JSON, sent with `Content-Type: application/json`",
+                                code="unsupported_media_type")
+        return None
 
 
 class _RequireApiKey:
@@ -536,6 +638,21 @@ class _Server(uvicorn.Server):
         if self.started:
             print(f"pipeserve: serving {self.serving.model_name} on {self.url} "
                   f"(engine pid {self.serving.info['pid']})", flush=True)
+
+
+def with_api_key_from_file(config: ServerConfig) -> ServerConfig:
+    """``config`` with ``api_key`` read from ``api_key_file`` (its first line); ValueError if the
+    file cannot be read or holds no key."""
+    if config.api_key_file is None:
+        return config
+    try:
+        with open(config.api_key_file) as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise ValueError(f"server.api_key_file: cannot read {config.api_key_file} ({e.strerror})") from None
+    if not key:
+        raise ValueError(f"server.api_key_file: {config.api_key_file} holds no key on its first line")
+    return dataclasses.replace(config, api_key=key, api_key_file=None)
 
 
 def default_model_name(model: str | None) -> str:

@@ -24,7 +24,7 @@ import openai
 PIPESERVE = [sys.executable, "-m", "pipeserve.launch.cli"]
 API_KEY = "test-key-0123"
 COMMON = [
-    "server.port=0", "server.log_level=warning", "server.stats_interval_s=0.2",
+    "server.port=0", "server.log_level=warning", "server.stats_interval_s=0.2", "server.body_timeout_s=3",
     "engine.device=cpu", "engine.dtype=float32", "engine.num_kv_blocks=256", "engine.max_model_len=512",
 ]
 MODEL = "SmolLM2-135M-Instruct"

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 from helpers_server import API_KEY
@@ -98,6 +99,32 @@ def test_a_thousand_oversized_integers_then_a_normal_answer(server):
     assert status == 200 and r["usage"]["completion_tokens"] == 2
     m = server.wait_idle(timeout_s=30)
     assert m["pipeserve:num_requests_in_flight"] == 0 and m["pipeserve:kv_cache_blocks_used"] == 0
+
+
+def test_the_edge_refuses_foreign_hosts_non_json_bodies_and_slow_bodies(server):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    status, _, data = server.request("POST", COMP, js({"prompt": "a"}), headers=auth | {"Content-Type": "text/plain"})
+    assert status == 415 and json.loads(data)["error"]["code"] == "unsupported_media_type"
+    status, _, data = server.request("GET", "/health", headers={"Host": "rebound.example"})
+    assert status == 400 and json.loads(data)["error"]["code"] == "host_not_allowed"
+    # A body that stops coming: 408 after server.body_timeout_s (3 s here), not a slot held for good.
+    with socket.create_connection((server.host, server.port), timeout=30) as s:
+        s.sendall(f"POST {COMP} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"".encode())
+        answer = s.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer[:200]
+
+
+def test_a_client_hanging_up_mid_body_is_no_error(server):
+    before = server.metrics().get("pipeserve:requests_rejected_total[500]", 0)
+    for _ in range(20):
+        with socket.create_connection((server.host, server.port), timeout=30) as s:
+            s.sendall(f"POST {COMP} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {API_KEY}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": \"a".encode())
+    status, r = server.post(COMP, {"prompt": "The sky is", "max_tokens": 2, "temperature": 0})
+    assert status == 200
+    m = server.wait_idle(timeout_s=30)
+    assert m.get("pipeserve:requests_rejected_total[500]", 0) == before and m["pipeserve:num_requests_in_flight"] == 0
 
 
 def test_still_serving_and_nothing_leaked(server):
