@@ -249,6 +249,9 @@ class EngineStats(_Message, frozen=True, kw_only=True):
     wall time against which stage busy time gives the bubble fraction, 1 - busy/active."""
     draining: bool = False
     """The engine got SIGTERM: it takes no new requests and exits once the last one ends."""
+    failed: str | None = None
+    """The engine lost its workers (why): every request has ended with an error and the engine
+    is shutting down; the frontend turns unhealthy at once rather than when the process exits."""
     num_rejected: int = 0
     """Control-plane connections refused (they did not hold the run's key) and frames dropped
     as malformed, on the engine's sockets and its workers', since the engine started."""

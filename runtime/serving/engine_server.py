@@ -108,6 +108,7 @@ class EngineServer:
         self.guard = guard
         self.stats_interval_s = stats_interval_s
         self._num_malformed = 0
+        self._failed: str | None = None
         self._stop = False
         self._draining = False
         self._streams: dict[str, _Stream] = {}
@@ -214,6 +215,7 @@ class EngineServer:
             stage_busy_s=self.engine.executor.stage_busy_seconds(), active_s=self._active_until(now),
             draining=self._draining,
             num_rejected=self.guard.num_rejected + self._num_malformed + self.engine.executor.num_rejected(),
+            failed=self._failed,
         ))
         self._last_stats = now
 
@@ -221,7 +223,9 @@ class EngineServer:
         self.updates.send(encode(msg))
 
     def fail_all(self, message: str) -> None:
-        """Every request still known ends with finish_reason "error" (the workers failed)."""
+        """Every request still known ends with finish_reason "error" (the workers failed), and
+        the frontend learns that the engine is failing before it has reaped its workers."""
+        self._failed = message
         for rid in list(self.engine._requests):
             if rid in self._streams:
                 delta = StreamDelta(request_id=rid, token_ids=[], text="", finish_reason="error", error=message)
@@ -229,6 +233,7 @@ class EngineServer:
             else:
                 self._send(RequestUpdate(request_id=rid, token_ids=[], text="", finish_reason="error",
                                          error=message))
+        self._publish_stats(force=True)
 
 
 def main() -> int:

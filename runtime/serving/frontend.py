@@ -227,6 +227,8 @@ class AsyncEngineClient:
                 self._deliver(msg.request_id, msg)
             elif isinstance(msg, EngineStats):
                 self.stats = msg
+                if msg.failed is not None and self.engine_error is None:
+                    self.engine_error = f"the engine lost its workers: {msg.failed}"
                 if self.on_stats is not None:
                     self.on_stats(msg)
 

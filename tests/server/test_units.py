@@ -96,3 +96,51 @@ def test_stage_metrics_from_engine_stats():
     assert sample("pipeserve:stage_busy_seconds_total", 1) == 3.5
     assert sample("pipeserve:stage_bubble_fraction", 0) == pytest.approx(1 - 2.0 / 5.0)
     assert sample("pipeserve:stage_bubble_fraction", 1) == pytest.approx(1 - 3.5 / 5.0)
+
+
+def test_the_frontend_turns_unhealthy_as_soon_as_the_engine_reports_lost_workers():
+    """Real CURVE sockets between a stand-in engine end and the frontend's client: an
+    EngineStats with ``failed`` makes new requests fail at once, before the engine exits."""
+    import asyncio
+    import subprocess
+    import sys
+
+    import zmq
+
+    from pipeserve.parallel.auth import Guard, RunKey
+    from pipeserve.parallel.wire import encode
+    from pipeserve.runtime.serving.frontend import AsyncEngineClient, EngineProcess
+
+    key = RunKey.generate()
+    ctx = zmq.Context()
+    guard = Guard(ctx, key)
+    requests, updates = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (requests, updates):
+        guard.serve(sock)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the engine's process, alive
+    engine = EngineProcess(proc, key)
+    engine.info = {"requests": f"tcp://127.0.0.1:{requests.bind_to_random_port('tcp://127.0.0.1')}",
+                   "updates": f"tcp://127.0.0.1:{updates.bind_to_random_port('tcp://127.0.0.1')}"}
+
+    async def scenario() -> str | None:
+        client = AsyncEngineClient(engine)
+        await client.start(on_engine_exit=lambda code: None)
+        updates.send(encode(EngineStats(num_waiting=0, num_running=0, num_kv_blocks=8, num_free_kv_blocks=8,
+                                        failed="worker rank 1 failed: killed")))
+        for _ in range(100):
+            if client.engine_error is not None:
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError, match="lost its workers"):
+            client.add("r", [1], SamplingParams(), stream=False, sink=asyncio.Queue(), index=0)
+        for t in client._tasks:
+            t.cancel()
+        return client.engine_error
+
+    try:
+        assert "worker rank 1 failed" in asyncio.run(scenario())
+        assert proc.poll() is None  # the engine process has not exited: the report alone did it
+    finally:
+        proc.kill()
+        guard.close()
+        ctx.destroy(linger=0)
