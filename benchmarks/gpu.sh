@@ -8,8 +8,7 @@
 #   sharegpt  1 GPU    1,000 ShareGPT requests, pipeserve against FastGen
 #   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
-#   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget, 2 and 3 decode groups (twice each), orca
-#   stages    2 GPUs   pp=2 stage boundaries: whole layers against half layers, at DECODE_GROUPS decode groups (default 3)
+#   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
@@ -27,7 +26,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling capacity bubbles stages roofline profile"
+SCENARIOS="peers prefix sharegpt scaling capacity bubbles roofline profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -62,7 +61,6 @@ fi
 D8="dummy_model.shape=llama3-8b $TOK_BENCH"
 QUIET="bench.progress=false bench.plots=false bench.save_steps=false"
 ARXIV="workload=arxiv workload.max_prompt_len=null workload.max_output_len=512"
-HALF="parallel.half_layer_stages=true"   # the bubbles' stage split: 16.5 / 15.5 layers
 
 run() {  # run NAME SECONDS GPUS COMMAND...: in the tree under test; output in $DIR/NAME.log
   local name=$1 limit=$2 gpus=$3; shift 3
@@ -157,10 +155,10 @@ cost_model() {  # prints the path of this card's profile: COST_MODEL, one kept b
   cp "$DIR/profile/cost_model.json" "$path" && echo "$path"
 }
 
-bubbles() {  # ~10 min with a kept profile (each run ~1.5 min), ~12 without: run `profile` first where commands are cut at 10 min
+bubbles() {  # ~6 min with a kept profile (each run ~1.5 min), ~8 without: run `profile` first where commands are cut at 10 min
   need_gpus 2 || return 0
-  local load="$ARXIV workload.rate=8 workload.num_requests=288 parallel.pp=2 $HALF"
-  local cm budget i g
+  local load="$ARXIV workload.rate=8 workload.num_requests=288 parallel.pp=2"
+  local cm budget i
   cm=$(cost_model) || { echo "bubbles: no profile"; return 0; }
   if [ -n "$DRY" ]; then
     budget='<suggested_time_budget_s>'
@@ -169,27 +167,14 @@ bubbles() {  # ~10 min with a kept profile (each run ~1.5 min), ~12 without: run
   fi
   echo "time budget $budget s (pipeserve profile's suggestion, $cm)"
   local time="scheduler=sarathi scheduler.max_num_batched_tokens=4096 scheduler.cost_model_path=$cm scheduler.time_budget_s=$budget"
-  for i in 1 2; do  # the pairs alternate, so a drift of the machine touches both
-    for g in 3 2; do
-      bench "bubbles-time-g$g-$i" 150 0,1 $load parallel.decode_groups=$g $time
-      gaps "bubbles-time-g$g-$i"
-    done
+  for i in 1 2; do  # orca between the two sarathi runs, so a drift of the machine shows between them
+    bench "bubbles-time-$i" 150 0,1 $load $time
+    gaps "bubbles-time-$i"
     if [ "$i" = 1 ]; then
-      bench bubbles-orca 150 0,1 $load parallel.decode_groups=2 scheduler=orca
+      bench bubbles-orca 150 0,1 $load scheduler=orca
       gaps bubbles-orca
     fi
   done
-}
-
-stages() {  # ~3 min with a kept profile: the bubbles load at DECODE_GROUPS decode groups, stage boundaries between whole layers, then inside one
-  need_gpus 2 || return 0
-  local cm budget
-  cm=$(cost_model) || { echo "stages: no profile"; return 0; }
-  budget=$([ -n "$DRY" ] && echo '<suggested_time_budget_s>' || python3 -c "import json, sys; print(round(json.load(open(sys.argv[1]))['suggested_time_budget_s'], 5))" "$cm")
-  local run="$ARXIV workload.rate=8 workload.num_requests=288 parallel.pp=2 parallel.decode_groups=${DECODE_GROUPS:-3}"
-  run="$run scheduler=sarathi scheduler.max_num_batched_tokens=4096 scheduler.cost_model_path=$cm scheduler.time_budget_s=$budget"
-  bench "bubbles-g${DECODE_GROUPS:-3}-whole" 150 0,1 $run
-  bench "bubbles-g${DECODE_GROUPS:-3}-half" 150 0,1 $run $HALF
 }
 
 gaps() {  # where a run's idle time went (tools.pipeline_gaps; CPU only), beside its log

@@ -146,7 +146,7 @@ def bubble_seconds(result: dict) -> list[float]:
 def bubbles(folder: str):
     rows, figures, idle = [], {}, {}
     names = sorted((os.path.basename(os.path.dirname(p)) for p in glob.glob(os.path.join(folder, "bubbles-*", "result.json"))),
-                   key=lambda n: ("orca" in n, n))  # the sarathi runs by group, then orca
+                   key=lambda n: ("orca" in n, n))  # the sarathi runs, then orca
     for name in names:
         r = bench_result(folder, name)
         stages = lead_stages(r)
@@ -206,7 +206,6 @@ def profile(folder: str):
 
 
 SCENARIOS = {f.__name__: f for f in (peers, prefix, sharegpt, scaling, capacity, bubbles, roofline, profile)}
-SCENARIOS["stages"] = bubbles  # the same runs' table: whole against half layers
 
 
 def main(argv=None) -> None:

@@ -65,7 +65,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=32, help="fewer for a quick check")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
-    p.add_argument("--decode-groups", type=int, default=None, help="parallel.decode_groups (default: the engine's)")
     args = p.parse_args(argv)
 
     from pipeserve import LLM, SamplingParams
@@ -76,11 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[rng.randrange(50000) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     folder = model_folder(args.tokenizer, args.num_layers)
-    extra = {} if args.decode_groups is None else {"decode_groups": args.decode_groups}  # (older trees lack it)
     t0 = time.perf_counter()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, max_model_len=4096, tensor_parallel_size=args.tp,
-              pipeline_parallel_size=args.pp, **extra)
+              pipeline_parallel_size=args.pp)
     start_s = time.perf_counter() - t0
     try:
         # One small round first: kernels and allocations that appear only at run time.
@@ -93,8 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         shutil.rmtree(folder, ignore_errors=True)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
-    result = {"workload": args.workload, "tp": args.tp, "pp": args.pp, "decode_groups": args.decode_groups,
-              "requests": num_requests,
+    result = {"workload": args.workload, "tp": args.tp, "pp": args.pp, "requests": num_requests,
               "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
               "output_tok_s": round(out_tokens / wall, 1), "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1),
               "start_s": round(start_s, 1)}

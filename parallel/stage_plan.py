@@ -4,10 +4,6 @@ A micro-batch moves through the pipeline at the pace of its slowest stage, so th
 minimizes the largest per-stage cost. Stage 0 also runs the embedding and the last stage the
 final norm, LM head and sampling; with a large vocabulary the head costs several layers, and
 the last stage gets correspondingly fewer.
-
-A whole layer is the coarsest unit: at pp=2 a head worth most of a layer leaves the last stage
-that much slower on every decode step. ``plan_half_layers`` also lets a boundary fall between a
-layer's attention and its MLP; one tensor (the residual stream) still travels between stages.
 """
 
 from __future__ import annotations
@@ -53,34 +49,14 @@ def default_costs(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    *,
-    half_layers: bool = False,
 ) -> dict[str, float]:
-    """Relative per-token costs of a Llama-family model, as keyword arguments of ``plan_stages``
-    (with ``half_layers``, of ``plan_half_layers``: the layer's 1.0 split into its attention's
-    share, q/k/v/o, and its MLP's).
+    """Relative per-token costs of a Llama-family model, as keyword arguments of ``plan_stages``.
 
     Costs are matmul FLOPs per token, proportional to weight counts, with one decoder layer
     = 1.0: the layer's q/k/v/o projections and gated MLP; the head's ``hidden × vocab``
     projection; the embedding is a lookup (0). Attention over the context, which grows with
     it equally on every layer, and norms are left out.
     """
-    attention, mlp = _half_weights(hidden_size, intermediate_size, vocab_size, num_heads, num_kv_heads, head_dim)
-    layer = attention + mlp
-    shares = {"attention_cost": attention / layer, "mlp_cost": mlp / layer} if half_layers else {"layer_cost": 1.0}
-    return {**shares, "embedding_cost": 0.0, "head_cost": hidden_size * vocab_size / layer}
-
-
-def model_costs(config, *, half_layers: bool = False) -> dict[str, float]:
-    """``default_costs`` of a model config (anything with a Llama config's shape fields)."""
-    return default_costs(config.hidden_size, config.intermediate_size, config.vocab_size,
-                         config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                         half_layers=half_layers)
-
-
-def _half_weights(hidden_size: int, intermediate_size: int, vocab_size: int, num_heads: int,
-                  num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """(attention, MLP) weights of one decoder layer (ValueError for a size below 1)."""
     sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
                  vocab_size=vocab_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim)
@@ -89,96 +65,38 @@ def _half_weights(hidden_size: int, intermediate_size: int, vocab_size: int, num
             raise ValueError(f"{name} must be >= 1, got {value}")
     q_o = 2 * hidden_size * num_heads * head_dim
     k_v = 2 * hidden_size * num_kv_heads * head_dim
-    return q_o + k_v, 3 * hidden_size * intermediate_size  # (gate, up, down)
+    mlp = 3 * hidden_size * intermediate_size  # gate, up, down
+    layer_weights = q_o + k_v + mlp
+    return {"layer_cost": 1.0, "embedding_cost": 0.0, "head_cost": hidden_size * vocab_size / layer_weights}
+
+
+def model_costs(config) -> dict[str, float]:
+    """``default_costs`` of a model config (anything with a Llama config's shape fields)."""
+    return default_costs(config.hidden_size, config.intermediate_size, config.vocab_size,
+                         config.num_attention_heads, config.num_key_value_heads, config.head_dim)
 
 
 @dataclass(frozen=True, slots=True)
 class StageLayers:
-    """A stage's half layers ``[start_half, end_half)``: half 2i is layer i's attention (with
-    its input norm), half 2i + 1 its MLP (with its post-attention norm)."""
+    """A stage's decoder layers ``[start_layer, end_layer)``."""
 
-    start_half: int
-    end_half: int
+    start_layer: int
+    end_layer: int
 
     def __post_init__(self) -> None:
-        assert 0 <= self.start_half < self.end_half, self
-
-    @classmethod
-    def whole(cls, start_layer: int, end_layer: int) -> StageLayers:
-        return cls(2 * start_layer, 2 * end_layer)
+        assert 0 <= self.start_layer < self.end_layer, self
 
     @property
-    def start_layer(self) -> int:
-        return self.start_half // 2
-
-    @property
-    def end_layer(self) -> int:
-        """One past the last layer with any half here."""
-        return (self.end_half + 1) // 2
-
-    @property
-    def first_mlp_only(self) -> bool:
-        """The first layer's attention ran on the stage before."""
-        return self.start_half % 2 == 1
-
-    @property
-    def last_attention_only(self) -> bool:
-        """The last layer's MLP runs on the stage after."""
-        return self.end_half % 2 == 1
-
-    @property
-    def num_attention_layers(self) -> int:
-        """Layers whose attention (and KV cache) this stage holds."""
-        return (self.end_half + 1) // 2 - (self.start_half + 1) // 2
-
-    @property
-    def num_layers(self) -> float:
-        """Layers here, a half counting half (an int for an even number of halves)."""
-        num = self.end_half - self.start_half
-        return num // 2 if num % 2 == 0 else num / 2
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
 
 
-def plan_model_stages(config, num_stages: int, *, override: list[float] | None = None,
-                      half_layers: bool = False) -> list[StageLayers]:
+def plan_model_stages(config, num_stages: int, *, override: list[int] | None = None) -> list[StageLayers]:
     """Every stage's layers for a Llama-family model ``config`` (its shape's fields): the
-    override, else balanced by ``model_costs`` (``plan_stages``), or in half layers
-    (``plan_half_layers``) when ``half_layers``. ValueError for a bad override."""
-    num_layers = config.num_hidden_layers
-    if half_layers:
-        return plan_half_layers(num_layers, num_stages, **model_costs(config, half_layers=True), override=override)
-    if override is not None:
-        if any(not math.isfinite(n) or n != int(n) for n in override):
-            raise ValueError(f"stage_layers {override} splits layers: set parallel.half_layer_stages=true")
-        override = [int(n) for n in override]
-    ranges = plan_stages(num_layers, num_stages, **model_costs(config), override=override)
-    return [StageLayers.whole(start, end) for start, end in ranges]
-
-
-def plan_half_layers(
-    num_layers: int,
-    num_stages: int,
-    *,
-    attention_cost: float,
-    mlp_cost: float,
-    embedding_cost: float = 0.0,
-    head_cost: float = 0.0,
-    override: list[float] | None = None,
-) -> list[StageLayers]:
-    """``plan_stages`` in half layers: the same objective and tie rules (least bottleneck, then
-    least sum of squared stage costs, then the fewest halves first), where a layer's attention
-    costs ``attention_cost`` and its MLP ``mlp_cost``. Every stage holds at least one attention
-    (its KV cache). ``override``: layers per stage in multiples of 0.5, e.g. ``[16.5, 15.5]``.
-    """
-    for name, value in (("attention_cost", attention_cost), ("mlp_cost", mlp_cost)):
-        if not value > 0 or not math.isfinite(value):
-            raise ValueError(f"{name} must be finite and > 0, got {value}")
-    _check_args(num_layers, num_stages, attention_cost + mlp_cost, embedding_cost, head_cost)
-    if override is not None:
-        counts = _checked_half_override(override, num_layers, num_stages)
-    else:
-        units = [attention_cost, mlp_cost] * num_layers
-        counts = _split_units(units, _extra_costs(num_stages, embedding_cost, head_cost))
-    return [StageLayers(start, end) for start, end in _ranges(counts)]
+    override, else balanced by ``model_costs`` (``plan_stages``). ValueError for a bad override,
+    fractional layer counts included."""
+    ranges = plan_stages(config.num_hidden_layers, num_stages, **model_costs(config), override=override)
+    return [StageLayers(start, end) for start, end in ranges]
 
 
 def _check_args(num_layers: int, num_stages: int, layer_cost: float, embedding_cost: float,
@@ -194,77 +112,14 @@ def _check_args(num_layers: int, num_stages: int, layer_cost: float, embedding_c
             raise ValueError(f"{name} must be finite and >= 0, got {value}")
 
 
-def _check_entries(override: list, num_stages: int) -> None:
+def _checked_override(override: list[int], num_layers: int, num_stages: int) -> list[int]:
     if len(override) != num_stages:
         raise ValueError(f"override has {len(override)} entries for {num_stages} stages")
-
-
-def _checked_override(override: list[int], num_layers: int, num_stages: int) -> list[int]:
-    _check_entries(override, num_stages)
     if any(not isinstance(n, int) or n < 1 for n in override):
-        raise ValueError(f"override entries must be positive integers, got {override}")
+        raise ValueError(f"override entries must be positive integers (whole layers), got {override}")
     if sum(override) != num_layers:
         raise ValueError(f"override sums to {sum(override)}, the model has {num_layers} layers")
     return list(override)
-
-
-def _checked_half_override(override: list[float], num_layers: int, num_stages: int) -> list[int]:
-    _check_entries(override, num_stages)
-    halves = [2 * n for n in override]
-    if any(isinstance(n, bool) or not math.isfinite(h) or h != int(h) or h < 1 for n, h in zip(override, halves)):
-        raise ValueError(f"override entries must be positive multiples of 0.5, got {override}")
-    if sum(halves) != 2 * num_layers:
-        raise ValueError(f"override sums to {sum(override)}, the model has {num_layers} layers")
-    counts = [int(h) for h in halves]
-    starts = [sum(counts[:s]) for s in range(num_stages)]
-    if any(not _holds_attention(start, num) for start, num in zip(starts, counts)):
-        raise ValueError(f"override {override} leaves a stage without an attention half (a KV cache)")
-    return counts
-
-
-def _holds_attention(start: int, num: int) -> bool:
-    return num >= 2 or start % 2 == 0
-
-
-def _split_units(units: list[float], extra: list[float]) -> list[int]:
-    """Contiguous unit counts per stage (each holding an attention, an even unit) with the least
-    bottleneck, then the least sum of squared stage costs, then the smallest counts first.
-    Dynamic programming over (stage, first unit): O(stages × units²)."""
-    num_stages, num_units = len(extra), len(units)
-    prefix = [0.0]
-    for cost in units:
-        prefix.append(prefix[-1] + cost)
-
-    def choices(s: int, i: int):  # (count, stage cost) for stage s starting at unit i
-        ends = [num_units] if s == num_stages - 1 else range(i + 1, num_units - (num_stages - 1 - s) + 1)
-        for j in ends:  # (a stage before the last leaves a unit for each later one)
-            if j > i and _holds_attention(i, j - i):
-                yield j - i, prefix[j] - prefix[i] + extra[s]
-
-    def solve(key):  # best[s][i]: the least key over stages s.. holding units i..
-        best = [[math.inf] * (num_units + 1) for _ in range(num_stages + 1)]
-        best[num_stages][num_units] = 0.0
-        for s in reversed(range(num_stages)):
-            for i in range(num_units):
-                for num, cost in choices(s, i):
-                    if best[s + 1][i + num] < math.inf:
-                        best[s][i] = min(best[s][i], key(cost, best[s + 1][i + num]))
-        return best
-
-    bottleneck = solve(max)[0][0]
-    assert bottleneck < math.inf, "no split holds an attention on every stage"
-    limit = bottleneck * (1 + 1e-12)  # sums in other orders may differ in the last bits
-    best = solve(lambda cost, rest: cost * cost + rest if cost <= limit else math.inf)
-    counts, i = [], 0
-    for s in range(num_stages):
-        target = best[s][i]
-        tolerance = 1e-9 * max(1.0, target)
-        num = next(num for num, cost in choices(s, i)
-                   if cost <= limit and cost * cost + best[s + 1][i + num] <= target + tolerance)
-        counts.append(num)
-        i += num
-    assert i == num_units
-    return counts
 
 
 def _extra_costs(num_stages: int, embedding_cost: float, head_cost: float) -> list[float]:

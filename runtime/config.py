@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -28,41 +27,17 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline stages."""
     num_microbatches_in_flight: int | None = None
-    """Micro-batches in the pipeline at once; None = pp, or pp + 1 with token feedback (decode
-    groups + 1 with ``decode_groups``)."""
+    """Micro-batches in the pipeline at once; None = pp, or pp + 1 with token feedback."""
     token_feedback: bool = True
     """pp > 1: the last stage hands each sampled token to the first stage on the device, so a
     request's next decode is planned before its result reaches the engine and the stages do
     not wait for the engine's round trip (``parallel/feedback.py``). A request still decodes
-    at most once per ``pp`` micro-batches (per ``decode_groups`` while enough requests decode to
-    fill them). A request that stops (EOS, a stop string) may have one decode more computed
-    and dropped. At pp=2 on 2 × H200 it took sarathi's bubbles while loaded from 17.6% / 23.4%
-    to 12.3% / 14.7% per stage, and orca's from 56% to 30–40%."""
-    decode_groups: int | None = None
-    """With token feedback: how many groups the running requests decode in, each request once
-    every this many micro-batches; None = pp. With pp groups a request's next decode follows the
-    micro-batch after its sampled one on the first stage, so each step waits for the last stage
-    and the ids' trip back (a chain through every stage per step); one group more gives that
-    trip a micro-batch of slack. Each request then decodes 1/groups of the steps, so its time
-    between tokens grows by groups/pp in steps (more requests share each micro-batch). Must be
-    >= pp, and below ``num_microbatches_in_flight`` (default groups + 1). While fewer requests
-    decode than fill the groups, the scheduler uses as many groups as they fill, at least pp
-    (``SchedulerLimits.min_feedback_distance``). At pp=2 (Llama-3-8B shape, arXiv at 8 req/s,
-    time budget, half-layer stages, 2 × H100) three groups left 1.2% / 3.0% bubbles per stage,
-    two 6.0% / 8.8% on another machine, P99 TBT 21 ms. Off (pp groups) by default until a
-    same-run comparison confirms it (``benchmarks/gpu.sh bubbles``)."""
-    stage_layers: list[float] | None = None
-    """Layers per stage, overriding the cost-balanced plan (must sum to the model's layers);
-    with ``half_layer_stages`` in multiples of 0.5 (e.g. [16.5, 15.5])."""
-    half_layer_stages: bool = False
-    """Stage boundaries may fall between a layer's attention and its MLP, so the plan balances
-    the stages in half layers (``parallel/stage_plan.py``, ``plan_half_layers``): with whole
-    layers a last stage whose head is worth most of a layer is slower by it on every decode
-    step, and the others wait. The residual stream still travels as one tensor. Off by default:
-    at pp=2 on 2 × H200 (Llama-3-8B shape, a 50k vocabulary: 16.5 / 15.5 layers) decode steps
-    came out even (2.60 / 2.59 ms against 2.53 / 2.65), but in the same run the idle moved to the
-    other stage more than it went away; with three decode groups it has not been compared with
-    whole layers yet (``benchmarks/gpu.sh bubbles``)."""
+    at most once per ``pp`` micro-batches. A request that stops (EOS, a stop string) may have
+    one decode more computed and dropped. At pp=2 on 2 × H200 it took sarathi's bubbles while
+    loaded from 17.6% / 23.4% to 12.3% / 14.7% per stage, and orca's from 56% to 30–40%."""
+    stage_layers: list[int] | None = None
+    """Layers per stage, overriding the cost-balanced plan (whole layers; must sum to the
+    model's layers)."""
     host: str | None = None
     """Address the engine binds its ZeroMQ sockets to; None = 127.0.0.1 on one node, the
     rendezvous host's interface (torchrun's MASTER_ADDR) across nodes. Never all interfaces."""
@@ -76,30 +51,16 @@ class ParallelConfig:
             raise ValueError("num_microbatches_in_flight must be >= 1")
         if self.stage_layers is not None:
             self._check_stage_layers(self.stage_layers)
-        if self.decode_groups is not None:
-            if isinstance(self.decode_groups, bool) or not isinstance(self.decode_groups, int):
-                raise ValueError(f"decode_groups must be an int or null, got {self.decode_groups!r}")
-            if not self.feedback:
-                raise ValueError("decode_groups needs token feedback (pp > 1 and token_feedback=true)")
-            if self.decode_groups < self.pp:
-                raise ValueError(f"decode_groups must be >= pp={self.pp}, got {self.decode_groups}")
-            if (self.decode_groups > self.pp and self.num_microbatches_in_flight is not None
-                    and self.num_microbatches_in_flight <= self.decode_groups):
-                raise ValueError(f"decode_groups={self.decode_groups} needs more micro-batches in flight than groups "
-                                 f"(a fed decode's step and the groups after it), got {self.num_microbatches_in_flight}")
         if not 0 < self.liveness_timeout_s <= 30:
             raise ValueError("liveness_timeout_s must be in (0, 30]")
 
-    def _check_stage_layers(self, counts: list[float]) -> None:
-        """What needs no model: one entry per stage, positive, whole (halves with
-        half_layer_stages). The model's layer count is checked by the plan."""
+    def _check_stage_layers(self, counts: list[int]) -> None:
+        """What needs no model: one entry per stage, each a positive number of whole layers. The
+        model's layer count is checked by the plan."""
         if len(counts) != self.pp:
             raise ValueError(f"stage_layers has {len(counts)} entries for pp={self.pp}")
-        step = 0.5 if self.half_layer_stages else 1
-        for n in counts:
-            if isinstance(n, bool) or not isinstance(n, (int, float)) or not 0 < n < math.inf or n % step:
-                hint = "" if self.half_layer_stages else " (half layers need parallel.half_layer_stages=true)"
-                raise ValueError(f"stage_layers entries must be positive multiples of {step}, got {counts}{hint}")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts):
+            raise ValueError(f"stage_layers entries must be positive integers (whole layers), got {counts}")
 
     @property
     def world_size(self) -> int:
@@ -117,19 +78,12 @@ class ParallelConfig:
     @property
     def feedback_distance(self) -> int | None:
         """With token feedback, the micro-batches between a request's sampling step and its next
-        decode (``SchedulerLimits.feedback_distance``): the decode groups; None without feedback."""
-        return (self.decode_groups or self.pp) if self.feedback else None
-
-    @property
-    def scheduler_feedback(self) -> dict[str, int | None]:
-        """``SchedulerLimits``' token-feedback fields: ``feedback_distance`` (the decode groups)
-        and ``min_feedback_distance`` (pp, the fewest groups the scheduler falls back to)."""
-        return {"feedback_distance": self.feedback_distance,
-                "min_feedback_distance": self.pp if self.feedback else None}
+        decode (``SchedulerLimits.feedback_distance``): pp; None without feedback."""
+        return self.pp if self.feedback else None
 
     @property
     def depth(self) -> int:
-        return self.num_microbatches_in_flight or (self.feedback_distance + 1 if self.feedback else self.pp)
+        return self.num_microbatches_in_flight or (self.pp + 1 if self.feedback else self.pp)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -121,8 +121,6 @@ class BatchBuilder:
         self._decoding = 0  # decoding requests (prompt done): counted only where the balance needs them
         if limits.feedback_distance is not None and config.balance_decodes:
             self._decoding = sum(1 for r in running if r.num_pending_tokens or r.num_remaining_tokens == 1)
-        self.feed_distance = self._feed_distance()
-        self._fed_after = self.feed_distance  # steps a fed decode's token must be back (see running_decodes)
 
     # ---- queries --------------------------------------------------------------------------
 
@@ -145,38 +143,17 @@ class BatchBuilder:
         if self.limits.feedback_distance is None:
             return [r for r in self.running if r.num_remaining_tokens == 1 and unblocked(r)]
         fed = self._can_feed
-        decodes = [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
-        least = self.limits.min_feedback_distance
-        if not decodes and least is not None and least < self.feed_distance:
-            # The groups just grew (more requests decode): every one decoded within the last
-            # feed_distance steps. Take this step's share from min_feedback_distance back rather
-            # than leave it without decodes (empty, the engine would wait for a result); the
-            # share stays that of feed_distance groups, so the new group forms.
-            self._fed_after = least
-            decodes = [r for r in self.running if fed(r)]
-        return decodes
+        return [r for r in self.running if (r.num_remaining_tokens == 1 and unblocked(r)) or fed(r)]
 
     def decode_share(self) -> int:
-        """Most decodes this micro-batch may take: ceil(decoding requests / feed_distance)
+        """Most decodes this micro-batch may take: ceil(decoding requests / feedback_distance)
         with token feedback and ``balance_decodes`` (``SchedulerConfig.balance_decodes``), else
         no limit. A decoding request is running with its prompt done: its newest token is
         pending (sampled in flight) or the one token it has left to compute."""
-        distance = self.feed_distance
+        distance = self.limits.feedback_distance
         if distance is None or distance < 2 or not self.config.balance_decodes:
             return len(self.running)
         return -(-self._decoding // distance)
-
-    def _feed_distance(self) -> int | None:
-        """The steps a fed decode needs since its token's: ``feedback_distance``, or with more
-        decode groups than stages (``min_feedback_distance`` below it) and balanced decodes, the
-        groups this step's decoding requests fill (never fewer than ``min_feedback_distance``):
-        a group left empty would leave a micro-batch without decodes."""
-        distance, least = self.limits.feedback_distance, self.limits.min_feedback_distance
-        balanced = self.config.balance_decodes
-        if distance is None or least is None or least >= distance or not balanced or not self._decoding:
-            return distance
-        per_group = -(-self._decoding // distance)
-        return max(least, min(distance, -(-self._decoding // per_group)))
 
     def running_prefills(self) -> list[Request]:
         """Schedulable running requests with more than one token left, in arrival order."""
@@ -320,12 +297,12 @@ class BatchBuilder:
 
     def _can_feed(self, request: Request) -> bool:
         """Token feedback: a decode whose input is its newest pending token may join, if that
-        token's step is ``feed_distance`` steps back (the first stage gets it from the last
+        token's step is ``feedback_distance`` steps back (the first stage gets it from the last
         in time) and the token it samples is within max_tokens and max_model_len."""
         pending = request.num_pending_tokens
         if not pending or request.status is not RequestStatus.RUNNING:
             return False
-        if self.step_id - request.sample_step < self._fed_after:
+        if self.step_id - request.sample_step < self.limits.feedback_distance:
             return False
         if request.request_id in self._ids:
             return False

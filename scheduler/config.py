@@ -54,14 +54,13 @@ class SchedulerConfig:
 
     balance_decodes: bool = True
     """With token feedback: no micro-batch takes more than its share of the decoding requests,
-    ceil(decoding / distance), the longest-waiting first, where the distance is
-    ``SchedulerLimits.feedback_distance`` (or fewer groups, ``min_feedback_distance``). Each
-    request decodes in every distance-th micro-batch, so requests fall into that many groups; a group
-    left empty (all decodes admitted into the same micro-batch, or one group finishing first)
-    leaves the pipeline a micro-batch short and a stage idle until the sampled tokens are back.
-    Holding the excess back one step moves it into the short group (vLLM's pipeline keeps
-    requests spread over its virtual engines for the same reason). False: every schedulable
-    decode joins."""
+    ceil(decoding / ``SchedulerLimits.feedback_distance``), the longest-waiting first. Each
+    request decodes in every ``feedback_distance``-th micro-batch, so requests fall into that
+    many groups; a group left empty (all decodes admitted into the same micro-batch, or one
+    group finishing first) leaves the pipeline a micro-batch short and a stage idle until the
+    sampled tokens are back. Holding the excess back one step moves it into the short group
+    (vLLM's pipeline keeps requests spread over its virtual engines for the same reason).
+    False: every schedulable decode joins."""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -97,16 +96,9 @@ class SchedulerLimits:
     feedback_distance: int | None = None
     """Token feedback (set by the engine for pipeline parallelism, ``parallel.token_feedback``):
     a request whose sampled token is not back yet may have its next decode scheduled once this
-    many micro-batches (the number of stages, or ``parallel.decode_groups``) have been scheduled
-    since the one that samples it; the last stage hands the token to the first on the device.
-    None: a request waits for its token (``Scheduler.update``) before its next decode."""
-
-    min_feedback_distance: int | None = None
-    """With balanced decodes and a feedback distance above this (more decode groups than stages,
-    set by the engine to pp): the distance a step uses is the number of groups the decoding
-    requests fill, ceil(decoding / ceil(decoding / feedback_distance)), but not below this.
-    Two requests cannot fill three groups: at distance three every third micro-batch would have
-    no decode, plan empty, and send the engine waiting for a result. None: feedback_distance."""
+    many micro-batches (the number of stages) have been scheduled since the one that samples
+    it; the last stage hands the token to the first on the device. None: a request waits for
+    its token (``Scheduler.update``) before its next decode."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 1:
@@ -115,9 +107,3 @@ class SchedulerLimits:
             not isinstance(self.feedback_distance, int) or self.feedback_distance < 1
         ):
             raise ValueError(f"feedback_distance must be a positive int or None, got {self.feedback_distance!r}")
-        if self.min_feedback_distance is not None and (
-            not isinstance(self.min_feedback_distance, int) or self.feedback_distance is None
-            or not 1 <= self.min_feedback_distance <= self.feedback_distance
-        ):
-            raise ValueError(f"min_feedback_distance must be an int in [1, feedback_distance], got "
-                             f"{self.min_feedback_distance!r} (feedback_distance {self.feedback_distance!r})")

@@ -179,7 +179,7 @@ class PagedRunner:
         self.model, self.block_size, self.device = model, block_size, device
         self.kv_caches = allocate_kv_cache(
             model.config,
-            num_layers=model.num_attention_layers,
+            num_layers=model.num_layers,
             num_blocks=num_blocks,
             block_size=block_size,
             dtype=param.dtype,

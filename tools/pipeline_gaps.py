@@ -36,9 +36,9 @@ and, for the gaps a plan ended, how long before the submit the engine had had it
 that result (the in-flight window was full), a long one that the engine's own loop was slow.
 
 A third table splits the decode-only micro-batches by how many decodes they carry: a micro-batch
-of one or two decodes means one to four requests were running (with pp decode groups; up to two
-a group with more), too few to fill the pipeline (a request decodes at most once per ``pp``
-micro-batches), so its stages wait for each other by construction; the large ones show what a full pipeline of decodes loses per micro-batch.
+of one or two decodes means one to four requests were running, too few to fill the pipeline (a
+request decodes at most once per ``pp`` micro-batches), so its stages wait for each other by
+construction; the large ones show what a full pipeline of decodes loses per micro-batch.
 
 A fourth table says how uniform the compute was: the coefficient of variation of the spans of
 micro-batches carrying prompt tokens (those a token or time budget fills) and of decode-only

@@ -1,7 +1,7 @@
 """An ideal pipeline: the bubbles a schedule leaves when nothing but the device costs time.
 
     python -m tools.pipeline_sim --cost-model cost_model.json --pp 2 --rate 6 8 \\
-        --num-requests 288 --runs sarathi:128 sarathi:time128 orca [--half-layers] [--head-us 120]
+        --num-requests 288 --runs sarathi:128 sarathi:time128 orca [--head-us 120]
 
 The real ``Scheduler`` plans every micro-batch, driven by a virtual clock the way ``pipeserve
 bench`` drives the engine: arrivals are added between steps, up to the pipeline depth of
@@ -105,7 +105,6 @@ class SimRun:
                              prompt_lens={r.request_id: r.num_prompt_tokens for r in self.requests})
         result = {**self.summary(), "config": {"parallel": {"pp": self.parallel.pp,
                                                             "token_feedback": self.parallel.token_feedback,
-                                                            "decode_groups": self.parallel.decode_groups,
                                                             "depth": self.parallel.depth}}}
         for name, data in (("trace.json", trace), ("result.json", result)):
             with open(os.path.join(folder, name), "w") as f:
@@ -121,13 +120,9 @@ class SimRun:
         return {"stages": stages, **request_summary(self.requests, end)}
 
 
-def layer_shares(config, pp: int, *, half_layers: bool) -> tuple[float, ...]:
-    """Each stage's share of the layers by the stage plan's own costs (attention and MLP halves
-    weighted by their weights)."""
-    half = model_costs(config, half_layers=True)
-    costs = [sum(half["attention_cost"] if h % 2 == 0 else half["mlp_cost"] for h in range(s.start_half, s.end_half))
-             for s in plan_model_stages(config, pp, half_layers=half_layers)]
-    return tuple(c / sum(costs) for c in costs)
+def layer_shares(config, pp: int) -> tuple[float, ...]:
+    """Each stage's share of the layers in the stage plan."""
+    return tuple(s.num_layers / config.num_hidden_layers for s in plan_model_stages(config, pp))
 
 
 def head_floor(cost_model: CostModel, config) -> float:
@@ -162,7 +157,7 @@ class _Simulation:
     def __init__(self, config: SchedulerConfig, pipe: Pipeline, max_model_len: int, num_blocks: int,
                  block_size: int) -> None:
         par = pipe.parallel
-        limits = SchedulerLimits(max_model_len=max_model_len, **par.scheduler_feedback)
+        limits = SchedulerLimits(max_model_len=max_model_len, feedback_distance=par.feedback_distance)
         self.pipe, self.clock = pipe, 0.0
         self.scheduler = Scheduler(config, limits=limits, num_blocks=num_blocks, block_size=block_size,
                                    cost_model=pipe.cost_model if config.time_budget_s else None,
@@ -288,12 +283,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="a policy (its configs/scheduler YAML), sarathi:N or sarathi:timeN, then ,field=value")
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    p.add_argument("--half-layers", action="store_true", help="stage boundaries may split a layer")
     p.add_argument("--shares", type=float, nargs="+", help="each stage's share of the layers (default: the plan's)")
     p.add_argument("--head-us", type=float, help="the head and sampling per step (default: the head's weight read)")
     p.add_argument("--hop-us", type=float, default=30.0)
     p.add_argument("--no-feedback", action="store_true")
-    p.add_argument("--decode-groups", type=int, help="decode groups with token feedback (default: pp)")
     p.add_argument("--source", default="arxiv")
     p.add_argument("--rate", type=float, nargs="+", default=[6.0])
     p.add_argument("--num-requests", type=int, default=288)
@@ -307,16 +300,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     cost_model = CostModel.load(args.cost_model)
     head_s = head_floor(cost_model, shape) if args.head_us is None else args.head_us * 1e-6
     try:
-        shares = tuple(args.shares or layer_shares(shape, args.pp, half_layers=args.half_layers))
+        shares = tuple(args.shares or layer_shares(shape, args.pp))
         pipe = Pipeline(cost_model=cost_model, layer_shares=shares, head_s=head_s, hop_s=args.hop_us * 1e-6,
-                        parallel=ParallelConfig(pp=args.pp, token_feedback=not args.no_feedback,
-                                                decode_groups=args.decode_groups))
+                        parallel=ParallelConfig(pp=args.pp, token_feedback=not args.no_feedback))
         configs = {run: scheduler_config(run, cost_model) for run in args.runs}
     except ValueError as e:
         p.error(str(e))
     print(f"ideal pp={args.pp} pipeline: layer shares {', '.join(f'{s:.3f}' for s in shares)}, "
-          f"head {head_s * 1e6:.0f} us, hop {args.hop_us:g} us, depth {pipe.parallel.depth}, "
-          f"decode groups {pipe.parallel.feedback_distance or '-'}")
+          f"head {head_s * 1e6:.0f} us, hop {args.hop_us:g} us, depth {pipe.parallel.depth}")
     print("| rate | run | bubble per stage (loaded) | P50 TTFT ms | P99 TBT ms |")
     print("|---|---|---|---|---|")
     for rate in args.rate:

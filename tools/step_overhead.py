@@ -172,7 +172,7 @@ class _NoModel:
     worth of attributes for the worker the engine builds first."""
 
     ops = argparse.Namespace(name="none")
-    start_layer, num_layers, num_attention_layers = 0, 1, 1
+    start_layer, num_layers = 0, 1
 
     def __init__(self, num_kv_heads: int) -> None:
         self.num_local_kv_heads = num_kv_heads

@@ -157,7 +157,7 @@ class StageTimeline:
     rank: int
     spans: list[StageSpan] = field(default_factory=list)
     tp_rank: int = 0
-    num_layers: float | None = None  # (a half layer counts half: parallel.half_layer_stages)
+    num_layers: int | None = None
     host: dict | None = None  # the worker's host summary (launch times, allocator), whole run
 
     @classmethod

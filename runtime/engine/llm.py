@@ -40,7 +40,6 @@ class LLM:
         pipeline_parallel_size: int = 1,
         num_microbatches_in_flight: int | None = None,
         token_feedback: bool = True,
-        decode_groups: int | None = None,
         enable_prefix_caching: bool = False,
         prefix_grouping: bool = False,
         kernel_backend: str = "auto",
@@ -78,7 +77,6 @@ class LLM:
                     pp=pipeline_parallel_size,
                     num_microbatches_in_flight=num_microbatches_in_flight,
                     token_feedback=token_feedback,
-                    decode_groups=decode_groups,
                 ),
             )
         )

@@ -125,7 +125,7 @@ class LLMEngine:
             device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
             eos_token_ids=eos,
         )
-        limits = SchedulerLimits(max_model_len=max_model_len, **par.scheduler_feedback)
+        limits = SchedulerLimits(max_model_len=max_model_len, feedback_distance=par.feedback_distance)
         try:
             self.scheduler = Scheduler(config.scheduler, limits=limits, num_blocks=num_blocks,
                                        block_size=config.block_size, cost_model=_cost_model(config.scheduler, device))
@@ -361,7 +361,7 @@ def _check_layout(config: EngineConfig, model_config) -> tuple[list, int]:
             head_dim=model_config.head_dim, intermediate_size=model_config.intermediate_size,
             splits=config.effective_reduction_splits, tp_size=par.tp,
         )
-    stages = plan_model_stages(model_config, par.pp, override=par.stage_layers, half_layers=par.half_layer_stages)
+    stages = plan_model_stages(model_config, par.pp, override=par.stage_layers)
     return stages, _resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings)
 
 

@@ -3,9 +3,7 @@
 Tokens arrive flat: a micro-batch is T tokens from several sequences, with no batch dimension
 and no padding; ``AttentionMetadata`` says which tokens belong to which sequence and where
 their K/V live. A module holds the decoder layers [start_layer, end_layer) of one pipeline
-stage (the first and last of them possibly only half: a stage boundary may fall between a
-layer's attention and its MLP), plus the embedding on the first stage and the final norm + LM
-head on the last.
+stage, plus the embedding on the first stage and the final norm + LM head on the last.
 
 Between stages travels one tensor, the residual stream [T, H] after the stage's last layer
 (inside a stage, layers pass ``(x, residual)`` so that RMSNorm can fuse the residual add).
@@ -209,20 +207,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A pre-norm block. A stage boundary may fall inside it (``StageLayers``): then one stage
-    holds its attention half (``mlp=False``) and the next its MLP half (``attention=False``)."""
-
-    def __init__(self, config: ModelConfig, parallel: ParallelContext, *, attention: bool = True,
-                 mlp: bool = True) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
-        assert attention or mlp
-        self.input_layernorm = self.self_attn = self.post_attention_layernorm = self.mlp = None
-        if attention:
-            self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.self_attn = Attention(config, parallel)
-        if mlp:
-            self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.mlp = MLP(config, parallel)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, parallel)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config, parallel)
 
     def forward(
         self,
@@ -230,28 +220,23 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor | None,
+        kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream is ``x + residual`` on entry and exit (residual None: x alone)."""
-        if self.self_attn is not None:
-            x, residual = self.input_layernorm(x, residual, ops)
-            x = self.self_attn(x, cos, sin, kv_cache, meta, ops)
-        if self.mlp is not None:
-            x, residual = self.post_attention_layernorm(x, residual, ops)
-            x = self.mlp(x, ops)
-        return x, residual
+        """Pre-norm block; the residual stream is ``x + residual`` on entry and exit (residual
+        None: x alone)."""
+        x, residual = self.input_layernorm(x, residual, ops)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, ops)
+        x, residual = self.post_attention_layernorm(x, residual, ops)
+        return self.mlp(x, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
     """Decoder layers [start_layer, end_layer) of a Llama-family model (one pipeline stage).
 
-    ``layers[j]`` is global layer ``start_layer + j``. ``first_mlp_only``: the first of them
-    holds only its MLP half, ``last_attention_only``: the last only its attention half (a stage
-    boundary inside a layer, ``parallel.stage_plan.StageLayers``). Holds ``embed_tokens`` only
-    when it begins at layer 0's attention, and ``norm`` + ``lm_head`` only when it ends with
-    the last layer's MLP.
+    Holds ``embed_tokens`` only when start_layer == 0 and ``norm`` + ``lm_head`` only when
+    end_layer == num_hidden_layers; ``layers[j]`` is global layer ``start_layer + j``.
     ``parallel`` (default: one process) gives the TP rank whose shard of every layer this
     module holds; ``num_local_kv_heads`` is the KV heads per layer on this rank, the head count
     of its KV cache. ``ops`` (``pipeserve.kernels``; default the torch references, replaced
@@ -265,8 +250,6 @@ class LlamaForCausalLM(nn.Module):
         start_layer: int = 0,
         end_layer: int | None = None,
         parallel: ParallelContext | None = None,
-        first_mlp_only: bool = False,
-        last_attention_only: bool = False,
     ) -> None:
         super().__init__()
         num_layers = config.num_hidden_layers
@@ -276,10 +259,6 @@ class LlamaForCausalLM(nn.Module):
                 f"need 0 <= start_layer <= end_layer <= {num_layers}, "
                 f"got [{start_layer}, {end_layer})"
             )
-        if (first_mlp_only or last_attention_only) and (
-            end_layer - start_layer < 1 + (first_mlp_only and last_attention_only)
-        ):
-            raise ValueError(f"layers [{start_layer}, {end_layer}) cannot lose both halves")
         parallel = ParallelContext.single() if parallel is None else parallel
         self.config, self.parallel = config, parallel
         self.ops = torch_ops()
@@ -291,22 +270,17 @@ class LlamaForCausalLM(nn.Module):
             parallel.tp_rank,
         ).num_kv_heads
         self.embed_tokens = None
-        if start_layer == 0 and not first_mlp_only:
+        if start_layer == 0:
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, parallel=parallel
             )
         self.rotary_emb = RotaryEmbedding(config)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallel, attention=not (first_mlp_only and i == start_layer),
-                         mlp=not (last_attention_only and i == end_layer - 1))
-            for i in range(start_layer, end_layer)
+            DecoderLayer(config, parallel) for _ in range(start_layer, end_layer)
         )
-        # Layers whose attention this stage runs: one KV cache each (checked on every forward).
-        self.num_attention_layers = sum(layer.self_attn is not None for layer in self.layers)
-        # Layers this stage holds, a half layer (attention or MLP alone) counting half.
-        self.num_layers = sum(((layer.self_attn is not None) + (layer.mlp is not None)) / 2 for layer in self.layers)
+        self.num_layers = end_layer - start_layer  # one KV cache each
         self.norm = self.lm_head = None
-        if end_layer == num_layers and not last_attention_only:
+        if end_layer == num_layers:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel)
             if config.tie_word_embeddings and self.embed_tokens is not None:
@@ -323,9 +297,8 @@ class LlamaForCausalLM(nn.Module):
         """Run this stage on T packed tokens; returns [T, H].
 
         input_ids [T] on the first stage, else hidden_states [T, H] (the previous stage's
-        output); positions [T]; kv_caches: one per attention held (``num_attention_layers``).
-        The output is final-normed on the last stage, else the residual stream for the next
-        stage.
+        output); positions [T]; kv_caches: one per layer held. The output is final-normed on
+        the last stage, else the residual stream for the next stage.
         """
         if self.embed_tokens is not None:
             if input_ids is None:
@@ -335,13 +308,11 @@ class LlamaForCausalLM(nn.Module):
             if hidden_states is None:
                 raise ValueError("a stage after the first needs hidden_states")
             x = hidden_states  # [T, H]
-        if len(kv_caches) != self.num_attention_layers:
-            raise ValueError(f"got {len(kv_caches)} kv caches for {self.num_attention_layers} attention layers")
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, d] each
         residual = None
-        caches = iter(kv_caches)
-        for layer in self.layers:
-            kv_cache = next(caches) if layer.self_attn is not None else None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
         if self.norm is not None:
             x, _ = self.norm(x, residual, self.ops)
@@ -420,18 +391,17 @@ class LlamaForCausalLM(nn.Module):
             names.add("model.norm.weight")
             if self.embed_tokens is None or self.lm_head.weight is not self.embed_tokens.weight:
                 names.add("lm_head.weight")
-        for i, layer in enumerate(self.layers, start=self.start_layer):
+        for i in range(self.start_layer, self.end_layer):
             prefix = f"model.layers.{i}."
-            if layer.self_attn is not None:
-                names.add(prefix + "input_layernorm.weight")
-                names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
-                if self.config.attention_bias:
-                    names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
-                if self.config.o_proj_bias:
-                    names.add(f"{prefix}self_attn.o_proj.bias")
-            if layer.mlp is not None:
-                names.add(prefix + "post_attention_layernorm.weight")
-                names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+            names |= {
+                prefix + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
+            }
+            names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
+            names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+            if self.config.attention_bias:
+                names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
+            if self.config.o_proj_bias:
+                names.add(f"{prefix}self_attn.o_proj.bias")
         return names
 
     def _head_reads_embedding(self) -> bool:
@@ -456,12 +426,7 @@ class LlamaForCausalLM(nn.Module):
             return None
         prefix = f"layers.{layer - self.start_layer}"
         # e.g. model.layers.3.self_attn.q_proj.bias -> layers.1.self_attn.qkv_proj.bias, "q"
-        block = self.layers[layer - self.start_layer]
-        if parts[3] in ("input_layernorm", "self_attn") and block.self_attn is None:
-            return None  # the attention half of a split layer: the stage before holds it
-        if parts[3] in ("post_attention_layernorm", "mlp") and block.mlp is None:
-            return None  # the MLP half: the stage after holds it
-        module = getattr(block, parts[3], None)
+        module = getattr(self.layers[layer - self.start_layer], parts[3], None)
         shards = getattr(module, "hf_shards", {})
         if len(parts) == 6 and parts[4] in shards:
             fused, part = shards[parts[4]]

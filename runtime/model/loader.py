@@ -53,13 +53,9 @@ def load_model(
     end_layer: int | None = None,
     load_format: str = "auto",
     parallel: ParallelContext | None = None,
-    first_mlp_only: bool = False,
-    last_attention_only: bool = False,
 ) -> LoadedModel:
     """Layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
-    process), reading only that slice of the checkpoint. ``first_mlp_only`` /
-    ``last_attention_only``: a stage boundary inside the first / last layer
-    (``parallel.stage_plan.StageLayers``)."""
+    process), reading only that slice of the checkpoint."""
     path = resolve_model_path(model)
     shard = {
         "dtype": dtype,
@@ -67,8 +63,6 @@ def load_model(
         "start_layer": start_layer,
         "end_layer": end_layer,
         "parallel": parallel,
-        "first_mlp_only": first_mlp_only,
-        "last_attention_only": last_attention_only,
     }
     start = time.perf_counter()
     kind = "random weights" if load_format == "dummy" else "GGUF" if os.path.isfile(path) else "Hugging Face"

@@ -54,12 +54,9 @@ def load_hf_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
-    first_mlp_only: bool = False,
-    last_attention_only: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
-    process) directly on ``device`` in ``dtype``, and read just those weights into it (the
-    halves flags: ``LlamaForCausalLM``)."""
+    process) directly on ``device`` in ``dtype``, and read just those weights into it."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"model folder {str(folder)!r} does not exist")
@@ -71,8 +68,6 @@ def load_hf_model(
         start_layer=start_layer,
         end_layer=end_layer,
         parallel=parallel,
-        first_mlp_only=first_mlp_only,
-        last_attention_only=last_attention_only,
     )
     model.load_weights(iter_safetensors_slices(folder))
     return model, config
@@ -86,22 +81,16 @@ def build_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
-    first_mlp_only: bool = False,
-    last_attention_only: bool = False,
 ) -> LlamaForCausalLM:
     """An inference-mode model (no grads, eval) born on ``device`` in ``dtype``, with
     PyTorch's default init; load_weights (or a benchmark's random fill) comes next. The
     global default dtype is restored afterwards; the RoPE tables stay float32. ``parallel``
-    picks the TP shard (default: one process, the whole layers); ``first_mlp_only`` /
-    ``last_attention_only`` a stage boundary inside its first / last layer."""
+    picks the TP shard (default: one process, the whole layers)."""
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(
-                config, start_layer=start_layer, end_layer=end_layer, parallel=parallel,
-                first_mlp_only=first_mlp_only, last_attention_only=last_attention_only,
-            )
+            model = LlamaForCausalLM(config, start_layer=start_layer, end_layer=end_layer, parallel=parallel)
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.requires_grad_(False).eval()

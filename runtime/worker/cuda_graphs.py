@@ -303,7 +303,7 @@ class CudaGraphRunner:
         self.max_seqs = max_tokens if max_seqs is None else max_seqs
         self.max_blocks_per_seq = math.ceil(max_model_len / block_size)
         self.is_first_stage = model.embed_tokens is not None
-        attn = next((layer.self_attn for layer in model.layers if layer.self_attn is not None), None)
+        attn = model.layers[0].self_attn if len(model.layers) else None
         self.g = attn.num_heads // attn.num_kv_heads if attn is not None else 1
         self.block_m = mixed_block_m(self.g)
         self.mixed_shapes = {t: MixedShape.of(t, max_seqs=self.max_seqs, g=self.g, block_m=self.block_m)

@@ -23,8 +23,7 @@ def allocate_kv_cache(
     device: torch.device | str,
     num_kv_heads: int | None = None,
 ) -> list[torch.Tensor]:
-    """One zeroed cache tensor per layer whose attention the stage runs (``num_layers``: with a
-    stage boundary inside a layer, ``model.num_attention_layers``). ``num_kv_heads`` overrides the config's count:
+    """One zeroed cache tensor per layer. ``num_kv_heads`` overrides the config's count:
     a tensor-parallel rank passes ``model.num_local_kv_heads`` (its share of the KV heads,
     which can differ between the ranks of a stage when KV heads are replicated; the number of
     blocks must still be the same on every rank).

@@ -82,7 +82,7 @@ class Worker:
         self.sampler = Sampler()
         self.num_kv_blocks = self._agree_on_kv_blocks()
         kv_caches = allocate_kv_cache(
-            self.model_config, num_layers=self.model.num_attention_layers, num_blocks=self.num_kv_blocks,
+            self.model_config, num_layers=self.model.num_layers, num_blocks=self.num_kv_blocks,
             block_size=config.block_size, dtype=self.dtype, device=device,
             num_kv_heads=self.model.num_local_kv_heads,
         )
@@ -105,8 +105,6 @@ class Worker:
         self.feedback_sender: FeedbackSender | None = None
         self.feedback_receiver: FeedbackReceiver | None = None
         if (group := ctx.feedback_group) is not None:
-            # Each receive is posted pp - 1 plans after its plan, whatever parallel.decode_groups
-            # (parallel/feedback.py): a fed decode comes pp or more plans after.
             first = stage_ranks(0, ctx.tp_size)
             warm_up(group, src=ctx.driver_rank, dsts=first, rank=ctx.rank, device=device)
             if ctx.is_driver:
@@ -121,14 +119,11 @@ class Worker:
         span = None
         if self.ctx.pp_size > 1:
             model_config, _, _ = read_config_and_tokenizer(self.config.model)
-            span = plan_model_stages(model_config, self.ctx.pp_size, override=par.stage_layers,
-                                     half_layers=par.half_layer_stages)[self.ctx.stage]
+            span = plan_model_stages(model_config, self.ctx.pp_size, override=par.stage_layers)[self.ctx.stage]
         return load_model(
             self.config.model, dtype=self.dtype, device=self.device, load_format=self.config.load_format,
             parallel=self.ctx, start_layer=0 if span is None else span.start_layer,
             end_layer=None if span is None else span.end_layer,
-            first_mlp_only=span is not None and span.first_mlp_only,
-            last_attention_only=span is not None and span.last_attention_only,
         )
 
     @property
@@ -147,7 +142,7 @@ class Worker:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         per_block = kv_cache_bytes_per_block(
-            self.model_config, num_layers=self.model.num_attention_layers, block_size=self.config.block_size,
+            self.model_config, num_layers=self.model.num_layers, block_size=self.config.block_size,
             dtype=self.dtype, num_kv_heads=self.model.num_local_kv_heads,
         )
         mine = torch.tensor([max(int(self._kv_cache_budget() // per_block), 0)], device=self.device)
@@ -187,7 +182,7 @@ class Worker:
         for n in lens:
             tables.append(list(range(first, first + math.ceil(n / bs))))
             first += len(tables[-1])
-        kv = allocate_kv_cache(self.model_config, num_layers=self.model.num_attention_layers, num_blocks=first,
+        kv = allocate_kv_cache(self.model_config, num_layers=self.model.num_layers, num_blocks=first,
                                block_size=bs, dtype=self.dtype, device=self.device,
                                num_kv_heads=self.model.num_local_kv_heads)
         step = StepInputs(request_ids=[str(i) for i in range(num_seqs)], token_ids=[0] * num_tokens, query_lens=lens,

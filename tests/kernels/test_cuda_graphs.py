@@ -230,7 +230,7 @@ class TwinRunners:
         dtype = next(model.parameters()).dtype
 
         def caches():
-            return allocate_kv_cache(model.config, num_layers=model.num_attention_layers, num_blocks=num_blocks,
+            return allocate_kv_cache(model.config, num_layers=model.num_layers, num_blocks=num_blocks,
                                      block_size=BLOCK, dtype=dtype, device=device)
 
         self.eager = ModelRunner(model, kv_caches=caches(), block_size=BLOCK, device=device)
@@ -433,8 +433,7 @@ def tiny_folder(tmp_path) -> str:
 
 
 def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: int = 1,
-                    token_feedback: bool = False, stage_layers: list[float] | None = None,
-                    decode_groups: int | None = None):
+                    token_feedback: bool = False):
     """Greedy token ids of 24 prompts of varied lengths and output lengths, so the decode
     batch shrinks through many (padded) bucket sizes and prompts are chunked beside decodes
     (mixed buckets); also the runner's replay counts (all, mixed), None without a runner."""
@@ -448,8 +447,7 @@ def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: 
         model=folder, device=device, dtype="float32", num_kv_blocks=256, max_model_len=256,
         cuda_graph_max_batch=256 if graphs else 0, cuda_graph_max_tokens=1024 if graphs else 0,
         scheduler=SchedulerConfig(max_num_batched_tokens=128, max_num_seqs=32),
-        parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback, stage_layers=stage_layers,
-                                half_layer_stages=stage_layers is not None, decode_groups=decode_groups),
+        parallel=ParallelConfig(tp=tp, pp=pp, token_feedback=token_feedback),
     )
     with LLM.from_config(config) as llm:
         outs = llm.generate(prompts, params)
@@ -477,19 +475,14 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp, pp, feedback, stage_layers, groups",
-                         [(2, 1, False, None, None), (1, 2, False, None, None), (1, 2, True, None, None),
-                          (1, 2, True, [0.5, 1.5], None), (1, 2, True, None, 3)],
-                         ids=["tp2", "pp2", "pp2-feedback", "pp2-half-layers", "pp2-groups3"])
-def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback, stage_layers, groups):
+@pytest.mark.parametrize("tp, pp, feedback", [(2, 1, False), (1, 2, False), (1, 2, True)],
+                         ids=["tp2", "pp2", "pp2-feedback"])
+def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback):
     """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside;
     token feedback: NCCL ids from the last stage patched into the static input ids before a
-    replay; half layers: the first stage ends with layer 0's attention; three decode groups:
-    decodes fed from two or three steps back). It checks outputs only, not that the workers
-    replayed."""
+    replay). It checks outputs only, not that the workers replayed."""
     eager, _ = generate_greedy(tiny_folder, device="cuda", graphs=False)
-    graphed, _ = generate_greedy(tiny_folder, device="cuda", graphs=True, tp=tp, pp=pp, token_feedback=feedback,
-                                 stage_layers=stage_layers, decode_groups=groups)
+    graphed, _ = generate_greedy(tiny_folder, device="cuda", graphs=True, tp=tp, pp=pp, token_feedback=feedback)
     assert graphed == eager
 
 

@@ -116,7 +116,7 @@ def run_steps(
 def _kv_caches(model, device="cpu") -> list[torch.Tensor]:
     return allocate_kv_cache(
         model.config,
-        num_layers=model.num_attention_layers,
+        num_layers=model.num_layers,
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK_SIZE,
         dtype=torch.float32,

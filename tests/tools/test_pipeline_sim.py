@@ -68,32 +68,6 @@ def test_fed_decodes_wait_for_their_ids():
         assert span.start == pytest.approx(max(last_end[source] + hop, previous_end[span.step_id]))
 
 
-def test_a_third_decode_group_hides_the_ids_trip():
-    """Three requests offline at pp=2, 0.5 ms a stage, 0.2 ms hops. With two decode groups a
-    group's next step waits on stage 0 for its previous one to leave stage 1 and its ids to come
-    back (0.4 ms idle per pair of steps); with three (``parallel.decode_groups``) each decode is
-    fed from three steps back, and by then its ids are there: stage 0 runs without a gap."""
-    specs = [RequestSpec(i, 0.0, 4, 30) for i in range(3)]
-
-    def stage0_idle(run):
-        spans = run.timelines[0].spans[6:]  # past the prompts and the first, unfed decodes
-        return sum(b.start - a.end for a, b in zip(spans, spans[1:]))
-
-    two = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS), max_model_len=LEN)
-    three = sim.simulate(specs, SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}),
-                         max_model_len=LEN)
-    assert {s.step_id - src for s in two.timelines[0].spans for src in two.fed_from[s.step_id]} == {2}
-    assert {s.step_id - src for s in three.timelines[0].spans for src in three.fed_from[s.step_id]} == {3}
-    # Past the first six spans, 26 pairs of decode steps, each waiting 0.4 ms (two hops) on stage 0.
-    assert stage0_idle(two) == pytest.approx(26 * 0.4 * MS)
-    assert stage0_idle(three) == pytest.approx(0.0, abs=1e-9)
-    assert [r.num_output_tokens for r in three.requests] == [30] * 3
-    # Two requests fill only two groups: they decode in two, fed from two steps back.
-    pair = sim.simulate(specs[:2], SchedulerConfig(), pipe(hop_s=0.2 * MS, parallel={"decode_groups": 3}),
-                        max_model_len=LEN)
-    assert {s.step_id - src for s in pair.timelines[0].spans for src in pair.fed_from[s.step_id]} == {2}
-
-
 def test_spans_respect_every_dependency():
     """A random arXiv-like load: stages run in step order without overlap, each stage after the
     one before plus the hop, fed decodes after the step they take their ids from; the head
@@ -127,9 +101,7 @@ def test_spans_respect_every_dependency():
 def test_layer_shares_follow_the_plan():
     shape = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=50304, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192)
-    assert sim.layer_shares(shape, 2, half_layers=False) == pytest.approx((0.5, 0.5))
-    attention = (2 * 4096 * 4096 + 2 * 4096 * 1024) / (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
-    assert sim.layer_shares(shape, 2, half_layers=True) == pytest.approx(((16 + attention) / 32, (16 - attention) / 32))
+    assert sim.layer_shares(shape, 2) == pytest.approx((0.5, 0.5))
     cost = CostModel(per_token=1e-5, per_attn=0.0, per_seq=0.0, fixed=0.0, knee_tokens=100)
     head = 4096 * 50304 / (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)
     assert sim.head_floor(cost, shape) == pytest.approx(1e-3 * head / (32 + head))
@@ -164,14 +136,12 @@ def test_command_line(tmp_path, capsys):
     path.write_text('{"per_token": 1.43e-05, "per_attn": 2.38e-09, "per_seq": 5.2e-07, "fixed": 0.0039,'
                     ' "per_kv": 3.2e-08, "knee_tokens": 93}')
     sim.main(["--cost-model", str(path), "--runs", "sarathi:128", "orca", "--rate", "6", "--num-requests", "12",
-              "--half-layers", "--head-us", "120", "--trace-dir", str(tmp_path / "traces")])
+              "--head-us", "120", "--trace-dir", str(tmp_path / "traces")])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("ideal pp=2 pipeline: layer shares 0.506, 0.494, head 120 us")
+    assert lines[0] == "ideal pp=2 pipeline: layer shares 0.500, 0.500, head 120 us, hop 30 us, depth 3"
     rows = [line.split(" | ") for line in lines[3:]]
     assert [r[1] for r in rows] == ["sarathi:128", "orca"]
     assert all(r[2].count("%") == 4 for r in rows)
-    sim.main(["--cost-model", str(path), "--runs", "sarathi:128", "--num-requests", "6", "--decode-groups", "3"])
-    assert "depth 4, decode groups 3" in capsys.readouterr().out.splitlines()[0]
     # Fewer requests than the pipeline's depth: no loaded window, still a table.
     sim.main(["--cost-model", str(path), "--runs", "sarathi:128", "--num-requests", "2", "--max-output-len", "1"])
     assert "(-)" in capsys.readouterr().out

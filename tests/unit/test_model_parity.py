@@ -138,38 +138,6 @@ def test_two_stage_pipeline_split_matches_whole_model(tiny):
     assert _max_diff(got, want) < 1e-5
 
 
-def test_three_stages_split_inside_layers_match_whole_model(tiny):
-    """Half layers (``StageLayers``): stage 0 = embedding + layer 0's attention, stage 1 = layer
-    0's MLP + layer 1's attention, stage 2 = layer 1's MLP + norm + head. Each holds only its
-    halves' weights and KV caches; the residual stream travels as one tensor."""
-    assert tiny.config.num_hidden_layers == 2
-    kw = dict(dtype=torch.float32, device="cpu")
-    stages = [load_hf_model(tiny.folder, **kw, end_layer=1, last_attention_only=True)[0],
-              load_hf_model(tiny.folder, **kw, end_layer=2, first_mlp_only=True, last_attention_only=True)[0],
-              load_hf_model(tiny.folder, **kw, start_layer=1, first_mlp_only=True)[0]]
-    assert [s.num_attention_layers for s in stages] == [1, 1, 0]
-    assert stages[1].embed_tokens is None and stages[1].lm_head is None and stages[2].lm_head is not None
-    assert stages[1].layers[0].self_attn is None and stages[1].layers[1].mlp is None
-    held = [s.expected_weight_names() for s in stages]
-    assert not (held[0] & held[1]) and not (held[1] & held[2])
-    assert "model.layers.0.mlp.down_proj.weight" in held[1] - held[0]
-    assert "model.layers.1.self_attn.o_proj.weight" in held[1] - held[2]
-    prompt = _prompt(PROMPT_LEN)
-    [want] = PagedRunner(tiny.model).step([(0, prompt)])
-    meta = make_metadata([(PROMPT_LEN, PROMPT_LEN)], [[6, 2, 7, 0, 3]], block_size=16)
-    positions = torch.arange(PROMPT_LEN)
-    x = torch.tensor(prompt)
-    with torch.no_grad():
-        for i, stage in enumerate(stages):
-            caches = allocate_kv_cache(tiny.config, num_layers=stage.num_attention_layers, num_blocks=8,
-                                       block_size=16, dtype=torch.float32, device="cpu")
-            x = stage(x if i == 0 else None, positions, caches, meta, hidden_states=None if i == 0 else x)
-        got = stages[-1].compute_logits(x)
-    assert _max_diff(got, want) < 1e-5
-    with pytest.raises(ValueError, match="both halves"):
-        LlamaForCausalLM(tiny.config, start_layer=1, end_layer=2, first_mlp_only=True, last_attention_only=True)
-
-
 # --- RoPE, config, weights, cache ---------------------------------------------------------
 
 

@@ -37,11 +37,9 @@ def reference(prompt_lens, num_outputs) -> dict[str, list[int]]:
     return out
 
 
-def scheduler(policy="sarathi", *, distance=2, min_feedback_distance=None, num_blocks=64, block_size=4,
-              max_model_len=64, **kw) -> Scheduler:
+def scheduler(policy="sarathi", *, distance=2, num_blocks=64, block_size=4, max_model_len=64, **kw) -> Scheduler:
     config = SchedulerConfig(policy=policy, **kw)
-    limits = SchedulerLimits(max_model_len=max_model_len, feedback_distance=distance,
-                             min_feedback_distance=min_feedback_distance)
+    limits = SchedulerLimits(max_model_len=max_model_len, feedback_distance=distance)
     return Scheduler(config, limits=limits, num_blocks=num_blocks, block_size=block_size, clock=lambda: 0.0,
                      debug_checks=True)
 
@@ -84,7 +82,7 @@ class Pipeline:
 def drive(sched: Scheduler, reqs, num_outputs, *, depth: int, max_steps=5_000):
     """The engine's side: up to ``depth`` micro-batches in flight, results back in order; a
     request stops (as at EOS) once it has its ``num_outputs``."""
-    distance = sched.limits.min_feedback_distance or sched.limits.feedback_distance
+    distance = sched.limits.feedback_distance
     pipe = Pipeline(sched.block_manager.block_size)
     limit = {r.request_id: n for r, n in zip(reqs, num_outputs)}
     for r in reqs:
@@ -112,11 +110,10 @@ def drive(sched: Scheduler, reqs, num_outputs, *, depth: int, max_steps=5_000):
 
 
 @pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "faster_transformer"])
-@pytest.mark.parametrize("distance, least", [(2, None), (3, None), (3, 2)], ids=["2", "3", "3-least2"])
-def test_outputs_match_greedy_reference(policy, distance, least):
-    """(3-least2: three decode groups at pp=2, the distance changing with the decoding requests.)"""
+@pytest.mark.parametrize("distance", [2, 3])
+def test_outputs_match_greedy_reference(policy, distance):
     lens, outs = [5, 17, 3, 9, 30, 2], [6, 4, 9, 1, 5, 7]
-    sched = scheduler(policy, distance=distance, min_feedback_distance=least, max_num_batched_tokens=12)
+    sched = scheduler(policy, distance=distance, max_num_batched_tokens=12)
     reqs = requests(lens)
     pipe, _ = drive(sched, reqs, outs, depth=distance + 1)
     assert {r.request_id: r.output_token_ids for r in reqs} == reference(lens, outs)
@@ -226,81 +223,38 @@ def test_feedback_distance_is_validated():
         SchedulerLimits(max_model_len=64, feedback_distance=0)
 
 
-def test_decode_groups_set_the_feedback_distance():
+def test_the_feedback_distance_is_pp():
     from pipeserve.runtime.config import ParallelConfig
 
     assert ParallelConfig(pp=2).feedback_distance == 2 and ParallelConfig(pp=2).depth == 3
-    assert ParallelConfig(pp=2, decode_groups=2).feedback_distance == 2
-    groups = ParallelConfig(pp=2, decode_groups=3)
-    assert groups.feedback_distance == 3 and groups.depth == 4
-    assert ParallelConfig(pp=2, decode_groups=3, num_microbatches_in_flight=5).depth == 5
+    assert ParallelConfig(pp=3).feedback_distance == 3 and ParallelConfig(pp=3).depth == 4
+    assert ParallelConfig(pp=2, num_microbatches_in_flight=5).depth == 5
     assert ParallelConfig(pp=2, token_feedback=False).feedback_distance is None
-    for bad, match in (({"pp": 3, "decode_groups": 2}, ">= pp=3"), ({"pp": 1, "decode_groups": 2}, "token feedback"),
-                       ({"pp": 2, "token_feedback": False, "decode_groups": 3}, "token feedback"),
-                       ({"pp": 2, "decode_groups": 2.5}, "int"), ({"pp": 2, "decode_groups": True}, "int"),
-                       ({"pp": 2, "decode_groups": 3, "num_microbatches_in_flight": 3}, "in flight")):
-        with pytest.raises(ValueError, match=match):
-            ParallelConfig(**bad)
-    with pytest.raises(ValueError, match="min_feedback_distance"):
-        SchedulerLimits(max_model_len=64, feedback_distance=2, min_feedback_distance=3)
-    with pytest.raises(ValueError, match="min_feedback_distance"):
-        SchedulerLimits(max_model_len=64, min_feedback_distance=2)
+    assert ParallelConfig(pp=2, token_feedback=False).depth == 2
+    assert ParallelConfig(pp=1).feedback_distance is None
 
 
-def plan_sizes(num_requests, *, least=None, distance=3, depth=4, iterations=40, balance=True, late=0):
+def plan_sizes(num_requests, *, distance=3, depth=4, iterations=40, balance=True):
     """Short prompts admitted together, then decodes with ``depth`` micro-batches in flight: each
     planned micro-batch's size, how often the engine found nothing to plan (the pipeline a
-    micro-batch short: it waits for a result), and how many decodes were fed. ``late`` more
-    requests arrive at the 20th plan."""
-    sched = scheduler("sarathi", distance=distance, min_feedback_distance=least, num_blocks=256,
-                      max_num_batched_tokens=64, balance_decodes=balance)
-    reqs = requests([3] * (num_requests + late))
-    for r in reqs[:num_requests]:
+    micro-batch short: it waits for a result), and how many decodes were fed."""
+    sched = scheduler("sarathi", distance=distance, num_blocks=256, max_num_batched_tokens=64,
+                      balance_decodes=balance)
+    for r in requests([3] * num_requests):
         sched.add_request(r)
     pipe, inflight, sizes, empty = Pipeline(4), deque(), [], 0
-    for i in range(iterations):
-        if i == 20:
-            for r in reqs[num_requests:]:
-                sched.add_request(r)
+    for _ in range(iterations):
         out = sched.schedule()
         if out.is_empty:
             empty += 1
         else:
-            pipe.run(out, least or distance)
+            pipe.run(out, distance)
             inflight.append(out)
             sizes.append(len(out.scheduled))
         if inflight and (len(inflight) >= depth or out.is_empty):
             done = inflight.popleft()
             sched.update(done, pipe.sampled[done.step_id])
     return sizes, empty, pipe.num_fed
-
-
-@pytest.mark.parametrize("num_requests, groups", [(2, 2), (3, 3), (4, 2), (5, 3), (7, 3)])
-def test_decode_groups_shrink_to_what_the_requests_fill(num_requests, groups):
-    """Three decode groups at pp=2 (distance 3, at least 2): two or four requests fill only two
-    groups (ceil(4 / 3) = 2 a micro-batch), so they decode in two; three, five or seven fill
-    three. Either way no plan comes up empty once decoding (only the first, behind the prompt
-    step), every micro-batch takes its share, and decodes are fed."""
-    sizes, empty, fed = plan_sizes(num_requests, least=2)
-    share = -(-num_requests // groups)
-    assert empty == 1 and fed > 0
-    assert max(sizes[1:]) == share and sum(sizes[1:groups + 1]) == num_requests
-    # Without the fallback, two requests at distance 3 leave every third micro-batch empty.
-    if num_requests == 2:
-        _, empty, _ = plan_sizes(2, least=None)
-        assert empty > 5
-
-
-@pytest.mark.parametrize("num_requests, late", [(2, 1), (4, 1)])
-def test_growing_decode_groups_leave_no_plan_empty(num_requests, late):
-    """Two (four) requests decode in two groups; one more arrives and, its prompt done, makes
-    three groups' worth: every request then decoded within the last two steps, none three back.
-    The step after takes its share from two steps back instead of planning empty, and the
-    three groups form: any three consecutive steps decode every request once."""
-    sizes, empty, fed = plan_sizes(num_requests, least=2, late=late)
-    total = num_requests + late
-    assert empty == 1 and fed > 0
-    assert max(sizes[-6:]) == -(-total // 3) and sum(sizes[-3:]) == sum(sizes[-4:-1]) == total
 
 
 def test_balanced_decodes_keep_the_pipeline_full():
