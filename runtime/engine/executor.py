@@ -254,6 +254,11 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
+# `python -c THIS args…` runs `python args…` with SIGTERM ignored.
+_EXEC_IGNORING_SIGTERM = ("import os, signal, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])")
+
+
 def launch_torchrun(world_size: int, env: dict[str, str]):
     """A launcher for DistributedExecutor: one standalone torchrun of `world_size` workers."""
 
@@ -261,7 +266,12 @@ def launch_torchrun(world_size: int, env: dict[str, str]):
         full_env = dict(os.environ, **env, **channel_env)
         # torchrun would set 1 itself, with a banner on every start.
         full_env.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+        # SIGTERM is the engine's to act on: Slurm (scancel, the time limit) sends it to every
+        # process of the job at once, and the engine drains its requests, then shuts the workers
+        # down itself. So torchrun neither handles nor forwards it, and it and the workers start
+        # with it ignored (dispositions set to ignore survive exec).
+        full_env.update(PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT", PIPESERVE_WORKER_IGNORE_SIGTERM="1")
+        cmd = [sys.executable, "-c", _EXEC_IGNORING_SIGTERM, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={world_size}", "-m", "pipeserve.runtime.worker.worker"]
         # Own session: the whole worker tree can be signalled (and reaped) as one group.
         return subprocess.Popen(cmd, env=full_env, start_new_session=True)

@@ -269,4 +269,6 @@ class AsyncEngineClient:
         code = await asyncio.to_thread(self.engine.stop, grace_s=grace_s)
         self._requests.close(linger=0)
         self._updates.close(linger=0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
         return code

@@ -23,7 +23,7 @@ def raw_post(server, path: str, body: dict) -> socket.socket:
     """Sends a request on a bare socket (to hang up at will)."""
     data = json.dumps(body).encode()
     sock = socket.create_connection((server.host, server.port), timeout=60)
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.api_key}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
 

@@ -30,7 +30,7 @@ def test_streamed_chat(server):
     body = {"temperature": 0, "max_tokens": 12, "stream": True,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     out = curl("-N", f"{server.url}/v1/chat/completions", "-H", f"Authorization: Bearer {API_KEY}",
-               "-d", json.dumps(body))
+               "-H", "Content-Type: application/json", "-d", json.dumps(body))
     assert out.returncode == 0, out.stderr
     events = [line[len("data: "):] for line in out.stdout.splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -42,9 +42,14 @@ def test_streamed_chat(server):
 
 def test_completion_and_auth(server):
     out = curl(f"{server.url}/v1/completions", "-H", f"Authorization: Bearer {API_KEY}",
+               "-H", "Content-Type: application/json",
                "-d", '{"prompt": "The sky is", "max_tokens": 3, "temperature": 0}')
     r = json.loads(out.stdout)
     assert r["object"] == "text_completion" and r["usage"]["completion_tokens"] == 3
+    # Without the header curl says form data: refused, since a web page may send that unasked.
+    out = curl("-w", " %{http_code}", f"{server.url}/v1/completions", "-H", f"Authorization: Bearer {API_KEY}",
+               "-d", '{"prompt": "The sky is", "max_tokens": 3}')
+    assert out.stdout.endswith(" 415") and "application/json" in out.stdout
     # No key: 401 on every route but /health.
     for path in ("/v1/models", "/metrics", "/v1/completions", "/no/such/route"):
         out = curl("-o", "/dev/null", "-w", "%{http_code}", f"{server.url}{path}")

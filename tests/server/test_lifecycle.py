@@ -30,7 +30,8 @@ def open_stream(server, body: dict) -> socket.socket:
     """A streaming request whose response has started (status line and headers read)."""
     data = json.dumps(body).encode()
     sock = socket.create_connection((server.host, server.port), timeout=60)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {server.api_key}\r\n"
+                 "Content-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     head = b""
     while b"\r\n\r\n" not in head:

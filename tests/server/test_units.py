@@ -117,7 +117,8 @@ def test_the_frontend_turns_unhealthy_as_soon_as_the_engine_reports_lost_workers
     requests, updates = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (requests, updates):
         guard.serve(sock)
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the engine's process, alive
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],  # the engine's process, alive
+                            start_new_session=True)
     engine = EngineProcess(proc, key)
     engine.info = {"requests": f"tcp://127.0.0.1:{requests.bind_to_random_port('tcp://127.0.0.1')}",
                    "updates": f"tcp://127.0.0.1:{updates.bind_to_random_port('tcp://127.0.0.1')}"}
@@ -133,13 +134,13 @@ def test_the_frontend_turns_unhealthy_as_soon_as_the_engine_reports_lost_workers
             await asyncio.sleep(0.05)
         with pytest.raises(RuntimeError, match="lost its workers"):
             client.add("r", [1], SamplingParams(), stream=False, sink=asyncio.Queue(), index=0)
-        for t in client._tasks:
-            t.cancel()
-        return client.engine_error
+        assert proc.poll() is None  # the engine process has not exited: the report alone did it
+        error = client.engine_error
+        await client.close(grace_s=0.1)  # stops the stand-in too
+        return error
 
     try:
         assert "worker rank 1 failed" in asyncio.run(scenario())
-        assert proc.poll() is None  # the engine process has not exited: the report alone did it
     finally:
         proc.kill()
         guard.close()

@@ -1,0 +1,60 @@
+"""A server with torchrun workers drains whichever way SIGTERM arrives: to the server process
+alone, to its process group, or to every process of the tree at once (what Slurm does on
+`scancel` and at the time limit). Requests in flight finish in full, new ones get 503, every
+process exits, and the server's exit code is 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+from helpers_server import Server, descendants, wait_gone
+
+pytestmark = pytest.mark.timeout(400)
+
+STREAM = {"prompt": "Count to ten:", "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
+
+
+def signal_server(server: Server, how: str) -> None:
+    if how == "server":
+        os.kill(server.proc.pid, signal.SIGTERM)
+    elif how == "group":
+        os.killpg(server.proc.pid, signal.SIGTERM)  # its own session: the frontend's group
+    else:  # "every process": the frontend, the engine, torchrun and the workers, at once
+        for pid in [server.proc.pid, *descendants(server.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.parametrize("layout, how", [("parallel.pp=2", "server"), ("parallel.pp=2", "group"),
+                                         ("parallel.pp=2", "every process"), ("parallel.tp=2", "every process")])
+def test_sigterm_drains_and_exits_0(tmp_path, layout, how):
+    server = Server.start(tmp_path, layout)
+    try:
+        tree = [server.proc.pid, *descendants(server.proc.pid)]
+        assert len(tree) >= 5  # frontend, engine, torchrun, two workers
+        results: list[list] = [[], []]
+
+        def consume(i: int) -> None:
+            for event in server.stream("/v1/completions", STREAM, timeout_s=180):
+                results[i].append(event)
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        server.wait_until(lambda m: m.get("pipeserve:generation_tokens_total", 0) >= 2, timeout_s=120)
+        signal_server(server, how)
+        for t in threads:
+            t.join(timeout=180)
+            assert not t.is_alive()
+        assert server.proc.wait(timeout=180) == 0
+        for events in results:  # both finished in full
+            assert events[-1] == "[DONE]", events[-3:]
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+        assert all(wait_gone(pid, timeout_s=60) for pid in tree)
+    finally:
+        server.kill()
