@@ -14,6 +14,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -103,7 +104,7 @@ def jobs(cluster):
         "bench": cluster.sbatch(TEMPLATES / "bench.sbatch", *bench, env=env, cwd=folder),
         "sweep": cluster.sbatch(TEMPLATES / "sweep.sbatch", "scheduler=sarathi,orca", *bench, env=env, cwd=folder),
         "serve": cluster.sbatch(TEMPLATES / "serve.sbatch", *SMALL, cwd=folder,
-                                env={**env, "PP": "1", "PORT": str(free_port()), "PIPESERVE_API_KEY": API_KEY}),
+                                env={**env, "PP": "2", "PORT": str(free_port()), "PIPESERVE_API_KEY": API_KEY}),
         "bench_multinode": cluster.sbatch(TEMPLATES / "bench_multinode.sbatch", *bench, cwd=folder,
                                           env={**env, "RDZV_PORT": str(free_port())}),
     }
@@ -183,9 +184,35 @@ def test_serve_template(cluster, jobs):
         "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 10, "temperature": 0})
     assert status == 200, body
     assert json.loads(body)["choices"][0]["message"]["content"] == ANSWER
-    cluster.run("scancel", "--signal=TERM", job_id)  # the server drains and exits 0
-    info = cluster.wait(job_id, 60)
-    assert info["JobState"] == "COMPLETED", f"{info}\n{output(jobs, 'serve')[-4000:]}"
+    drain_with_a_request_in_flight(cluster, jobs, "serve", url)
+
+
+def drain_with_a_request_in_flight(cluster, jobs, name: str, url: str) -> None:
+    """pp=2, a request in flight, then Slurm's SIGTERM to every process of the job's steps
+    (engine, torchrun and workers included): the request finishes and the job COMPLETES."""
+    job_id = jobs["ids"][name]
+    in_flight: list[tuple[int, str]] = []
+    long = {"prompt": "Count to ten:", "max_tokens": 48, "ignore_eos": True, "temperature": 0}
+    thread = threading.Thread(target=lambda: in_flight.append(http(f"{url}/completions", key=API_KEY, data=long)))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not re.search(r"pipeserve:num_requests_running\{[^}]*\} 1\.0", metrics(url)):
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.1)
+    cluster.run("scancel", "--signal=TERM", job_id)
+    thread.join(timeout=120)
+    status, body = in_flight[0]
+    assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 48, body
+    info = cluster.wait(job_id, 120)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{output(jobs, name)[-4000:]}"
+    deadline = time.monotonic() + 30
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes of job {job_id} outlived it: {left}"
+
+
+def metrics(url: str) -> str:
+    return http(url.removesuffix("/v1") + "/metrics", key=API_KEY)[1]
 
 
 def wait_for_server(cluster, jobs, timeout_s: float = JOB_TIMEOUT_S, name: str = "serve") -> str:
@@ -290,13 +317,7 @@ def test_serve_template_two_nodes(cluster, jobs):
     assert status == 200, body
     assert json.loads(body)["choices"][0]["message"]["content"] == ANSWER
     assert "global rank 0" in output(jobs, "serve_multinode")
-    cluster.run("scancel", job_id)  # SIGTERM to every process: the server drains, all exit
-    info = cluster.wait(job_id, 90)
-    assert info["JobState"] == "CANCELLED", info
-    deadline = time.monotonic() + 30
-    while (left := job_processes(job_id)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"processes of job {job_id} outlived it: {left}"
+    drain_with_a_request_in_flight(cluster, jobs, "serve_multinode", url)
 
 
 def job_processes(job_id: str) -> list[int]:
