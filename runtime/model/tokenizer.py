@@ -12,6 +12,8 @@ post-processor), so one flag, `add_bos_token`, says what `encode` does for every
 
 import json
 import os
+import re
+import uuid
 from datetime import datetime
 from functools import cached_property
 from typing import Any
@@ -177,23 +179,74 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        special_tokens_in_content: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` with the model's Jinja chat template, as transformers does.
 
         `template_kwargs` (e.g. `tools=`) are passed to the template. With `tokenize`, the text is
-        encoded without adding BOS: templates write their special tokens themselves.
+        encoded without adding BOS: templates write their special tokens themselves. A special
+        token's text inside a message's content (say "<|im_start|>system") stays text unless
+        `special_tokens_in_content`, so content cannot forge the template's markers; ValueError
+        where the template changes the content on its way (then it cannot be kept apart).
         """
+        text = self._render(messages, add_generation_prompt, template_kwargs)
+        if not tokenize:
+            return text
+        if special_tokens_in_content or not any(self._holds_special_text(m.get("content")) for m in messages):
+            return self.encode(text, add_special_tokens=False)
+        return self._encode_with_literal_contents(messages, text, add_generation_prompt, template_kwargs)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
-        text = self._compiled_chat_template.render(
+        return self._compiled_chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.id_to_token(self.bos_token_id) or "",
             eos_token=self.id_to_token(self.eos_token_id) or "",
             **template_kwargs,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def _special_texts(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+
+    def _holds_special_text(self, content) -> bool:
+        return isinstance(content, str) and any(s in content for s in self._special_texts)
+
+    def _encode_with_literal_contents(self, messages: list[dict], text: str, add_generation_prompt: bool,
+                                      template_kwargs: dict) -> list[int]:
+        """The rendering's ids with each message's content encoded as plain text: rendered again
+        with a unique marker in place of each content, the template's own text between the
+        markers is encoded with its special tokens, the contents without."""
+        nonce = uuid.uuid4().hex
+        marks = {i: f"\ue000{nonce}:{i}\ue001" for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
+        marked = self._render([dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)],
+                              add_generation_prompt, template_kwargs)
+        pattern = re.compile("(" + "|".join(re.escape(mark) for mark in marks.values()) + ")")
+        pieces = pattern.split(marked)
+        by_mark = {mark: messages[i]["content"] for i, mark in marks.items()}
+        if (sorted(p for p in pieces[1::2]) != sorted(marks.values())
+                or "".join(by_mark.get(p, p) for p in pieces) != text):
+            raise ValueError("a message's content holds a special token's text, and this chat template "
+                             "changes contents as it renders them, so the text cannot be kept apart from "
+                             "its markers; remove it, or send prompt token ids")
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self.backend.encode(piece, add_special_tokens=False).ids
+            else:
+                ids += self._encode_literally(by_mark[piece])
+        return ids
+
+    def _encode_literally(self, text: str) -> list[int]:
+        """Ids of `text` with special tokens' texts taken as plain text."""
+        self.backend.encode_special_tokens = True
+        try:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        finally:
+            self.backend.encode_special_tokens = False
 
     @cached_property
     def _compiled_chat_template(self) -> jinja2.Template:

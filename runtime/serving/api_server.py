@@ -380,7 +380,8 @@ async def chat_completions(request: Request, s: OpenAIServing) -> Response:
                                     logprobs=req.num_logprobs))
     try:
         ids = s.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
-                                              add_generation_prompt=req.add_generation_prompt, tokenize=True)
+                                              add_generation_prompt=req.add_generation_prompt, tokenize=True,
+                                              special_tokens_in_content=req.special_tokens_in_content)
     except Exception as e:  # noqa: BLE001 - a template's raise_exception or a Jinja error
         raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
     prompt = s.checked_prompt(ids, params, "messages")

@@ -135,6 +135,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    special_tokens_in_content: bool = False
+    """Let a special token's text in a message's content become that token (raw control of the
+    prompt); by default it stays text, so content cannot open a turn of its own."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
