@@ -121,7 +121,7 @@ class Guard:
 
     def __init__(self, ctx: zmq.Context, key: RunKey) -> None:
         self.key = key
-        self._monitors: list[zmq.Socket] = []
+        self._monitors: list[tuple[zmq.Socket, zmq.Socket]] = []  # (served socket, its monitor)
         self._lock = threading.Lock()
         self._num_rejected = 0
         self._auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=_SilentLog())
@@ -137,13 +137,13 @@ class Guard:
         sock.curve_secretkey = self.key.secret
         sock.curve_publickey = self.key.public
         sock.curve_server = True
-        self._monitors.append(sock.get_monitor_socket(_HANDSHAKE_FAILED))
+        self._monitors.append((sock, sock.get_monitor_socket(_HANDSHAKE_FAILED)))
 
     @property
     def num_rejected(self) -> int:
         """Connections whose handshake failed (no CURVE, another key, a broken frame) so far."""
         with self._lock:  # the engine loop and a stats thread may both ask
-            for monitor in self._monitors:
+            for _, monitor in self._monitors:
                 while monitor.poll(0, zmq.POLLIN):
                     zmq.utils.monitor.recv_monitor_message(monitor, zmq.NOBLOCK)
                     self._num_rejected += 1
@@ -151,7 +151,9 @@ class Guard:
 
     def close(self) -> None:
         """Stop the ZAP handler; call before the sockets it serves are closed."""
-        for monitor in self._monitors:
+        for sock, monitor in self._monitors:
+            if not sock.closed:
+                sock.disable_monitor()
             monitor.close(linger=0)
         self._monitors.clear()
         self._auth.stop()
