@@ -155,7 +155,7 @@ cost_model() {  # prints the path of this card's profile: COST_MODEL, one kept b
   cp "$DIR/profile/cost_model.json" "$path" && echo "$path"
 }
 
-bubbles() {  # ~6 min with a kept profile (each run ~1.5 min), ~8 without: run `profile` first where commands are cut at 10 min
+bubbles() {  # ~4 min with a kept profile (each run about a minute on an H200), ~5 without
   need_gpus 2 || return 0
   local load="$ARXIV workload.rate=8 workload.num_requests=288 parallel.pp=2"
   local cm budget i
