@@ -30,8 +30,12 @@ def signal_server(server: Server, how: str) -> None:
                 pass
 
 
-@pytest.mark.parametrize("layout, how", [("parallel.pp=2", "server"), ("parallel.pp=2", "group"),
-                                         ("parallel.pp=2", "every process"), ("parallel.tp=2", "every process")])
+# Every way at pp=2 and tp=2; CI runs one of each layout (a server start each), `-m slow` the rest.
+CASES = [(layout, how) for layout in ("parallel.pp=2", "parallel.tp=2") for how in ("server", "group", "every process")]
+IN_CI = {("parallel.pp=2", "every process"), ("parallel.tp=2", "server")}
+
+
+@pytest.mark.parametrize("layout, how", [c if c in IN_CI else pytest.param(*c, marks=pytest.mark.slow) for c in CASES])
 def test_sigterm_drains_and_exits_0(tmp_path, layout, how):
     server = Server.start(tmp_path, layout)
     try:
