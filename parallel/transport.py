@@ -65,7 +65,8 @@ _POLL_SLICE_S = 0.05  # longest a background thread waits before it checks for s
 # Messages a slow subscriber may have queued before the engine blocks (never drops) on it;
 # the pipeline keeps at most `pp` plans in flight, so reaching this means a stuck worker.
 _HIGH_WATER_MARK = 10_000
-_ALL_INTERFACES = ("0.0.0.0", "*", "::", "")
+ALL_INTERFACES = ("0.0.0.0", "*", "::", "")
+"""Host values that mean every interface of the machine."""
 
 
 class TransportError(RuntimeError):
@@ -111,7 +112,7 @@ class TransportConfig:
     """Longest a send may block on a peer that stopped reading before raising."""
 
     def __post_init__(self) -> None:
-        if self.host in _ALL_INTERFACES and not self.allow_all_interfaces:
+        if self.host in ALL_INTERFACES and not self.allow_all_interfaces:
             raise ValueError(
                 f"host={self.host!r} offers the control plane on every interface; bind a "
                 "specific address or set allow_all_interfaces=True"
@@ -134,7 +135,7 @@ def _tcp(host: str) -> str:
 def _advertised(config: TransportConfig) -> str:
     if config.advertise_host:
         return config.advertise_host
-    return socket.gethostname() if config.host in _ALL_INTERFACES else config.host
+    return socket.gethostname() if config.host in ALL_INTERFACES else config.host
 
 
 def _make_socket(ctx: zmq.Context, kind: int, *, send_timeout_s: float | None = None) -> zmq.Socket:

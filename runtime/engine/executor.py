@@ -153,6 +153,7 @@ class DistributedExecutor:
             world_size, key=RunKey.from_env() or RunKey.generate(),
         )
         self.proc: subprocess.Popen | None = None
+        self._own_workers: dict[int, int] = {}  # rank -> pid, once they have said Hello
         try:
             self.proc = launch(self.channel.worker_env())
             hellos = self.channel.handshake(failed=self._exited)
@@ -209,7 +210,7 @@ class DistributedExecutor:
     def _exited(self) -> str | None:
         if self.proc is not None and (code := self.proc.poll()) is not None:
             return f"the worker processes exited with code {code}"
-        for rank, pid in getattr(self, "_own_workers", {}).items():
+        for rank, pid in self._own_workers.items():
             if not _running(pid):
                 return f"worker rank {rank} (pid {pid}) exited"
         return None

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from pipeserve.parallel.transport import ALL_INTERFACES
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine.llm_engine import validate_request
 from pipeserve.runtime.serving.frontend import AsyncEngineClient, Delta, EngineProcess
@@ -48,7 +49,6 @@ from pipeserve.scheduler.sampling_params import SamplingParams
 from pipeserve.runtime.serving.server_metrics import ServerMetrics
 
 logger = logging.getLogger("pipeserve.server")
-_ALL_INTERFACES = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -546,7 +546,7 @@ class _RequestGuard:
         self.app, self.allowed, self.on_reject = app, allowed_hosts, on_reject
         self.any_ip = False
         if allowed_hosts is not None:
-            self.any_ip = any(h in _ALL_INTERFACES for h in allowed_hosts)
+            self.any_ip = any(h in ALL_INTERFACES for h in allowed_hosts)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
