@@ -201,6 +201,21 @@ async def run_load(url: str, num_requests: int) -> list[tuple[str, str | None, i
 
 
 
+def streams_in_background(server, body: dict, num_streams: int, timeout_s: float = 120.0):
+    """Starts `num_streams` streaming /v1/completions requests, each read on its own thread;
+    returns (the threads, each stream's events as they arrive)."""
+    results: list[list] = [[] for _ in range(num_streams)]
+
+    def consume(i: int) -> None:
+        for event in server.stream("/v1/completions", body, timeout_s=timeout_s):
+            results[i].append(event)
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(num_streams)]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
 def sse_events(resp):
     """SSE `data:` payloads of an http.client response, as they arrive."""
     while True:

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 
 import pytest
-from helpers_server import Server, descendants, wait_gone
+from helpers_server import Server, descendants, streams_in_background, wait_gone
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -41,15 +40,7 @@ def test_sigterm_drains_and_exits_0(tmp_path, layout, how):
     try:
         tree = [server.proc.pid, *descendants(server.proc.pid)]
         assert len(tree) >= 5  # frontend, engine, torchrun, two workers
-        results: list[list] = [[], []]
-
-        def consume(i: int) -> None:
-            for event in server.stream("/v1/completions", STREAM, timeout_s=180):
-                results[i].append(event)
-
-        threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
+        threads, results = streams_in_background(server, STREAM, 2, timeout_s=180)
         server.wait_until(lambda m: m.get("pipeserve:generation_tokens_total", 0) >= 2, timeout_s=120)
         signal_server(server, how)
         for t in threads:

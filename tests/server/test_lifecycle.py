@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 
 import pytest
-from helpers_server import Server, wait_gone
+from helpers_server import Server, streams_in_background, wait_gone
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -60,15 +59,7 @@ def test_queue_limit_answers_429_with_retry_after(small):
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(small):
     body = {"prompt": "Count to ten:", "max_tokens": 6, "ignore_eos": True, "temperature": 0, "stream": True}
-    results: list[list] = [[], []]
-
-    def consume(i: int) -> None:
-        for event in small.stream("/v1/completions", body, timeout_s=120):
-            results[i].append(event)
-
-    threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
+    threads, results = streams_in_background(small, body, 2)
     small.wait_until(lambda m: m.get("pipeserve:num_requests_in_flight", 0) == 2, timeout_s=60)
     code = small.terminate(timeout_s=120)
     for t in threads:
