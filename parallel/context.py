@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from pipeserve.parallel.symmetric import SymmetricAllReduce
+
 logger = logging.getLogger(__name__)
 
 
@@ -37,6 +39,9 @@ class ParallelContext:
     tp_group: dist.ProcessGroup | None = None
     """This stage's TP group (ranks ``stage_ranks``); None when tp_size == 1, where the TP
     layers run no collective at all."""
+    tp_reduce: SymmetricAllReduce | None = None
+    """The forward's TP sums through symmetric memory (CUDA, set up by the worker once it knows
+    the largest micro-batch); None: NCCL's all-reduce."""
     feedback_group: dist.ProcessGroup | None = None
     """Token feedback (``parallel/feedback.py``): the group of the first stage's ranks and the
     driver, on the ranks in it; None elsewhere or without feedback."""
@@ -170,8 +175,11 @@ def nccl_options(*, max_ctas: int | None):
 
 
 def tp_all_reduce(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
-    """Sum ``x`` over the TP group, in place; returns it. No-op when tp_size == 1."""
+    """Sum ``x`` over the TP group; returns the sum (``x`` itself, summed in place by NCCL,
+    or a new tensor from ``parallel.tp_reduce``). No-op when tp_size == 1."""
     if parallel.tp_size > 1:
+        if parallel.tp_reduce is not None and parallel.tp_reduce.fits(x):
+            return parallel.tp_reduce(x)
         dist.all_reduce(x, group=parallel.tp_group)
     return x
 

@@ -115,7 +115,7 @@ class EngineConfig:
     """Decode-only micro-batches of up to this many sequences replay a CUDA graph captured at
     start-up (per stage, bucketed by batch size; CUDA with the Triton kernels only); 0 = always
     run eagerly."""
-    cuda_graph_max_tokens: int = 1024
+    cuda_graph_max_tokens: int = 4096
     """Other micro-batches (prompt chunks, with or without decodes) of up to this many tokens
     replay a CUDA graph too, bucketed by token count (multiples of 16 up to 512, then of 32
     up to 1024, …; the step is padded): launching an 8B stage's kernels one by one takes the

@@ -59,6 +59,7 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) ->
 # Triton kernels are kernels/*.py's: _paged_attention_kernel, _add_rms_norm_kernel,
 # _rope_kernel, _silu_mul_kernel, _write_kv_kernel, _matmul_kernel (batch-invariant GEMM).
 KERNEL_CATEGORIES = (
+    ("collective", ("nccl", "allreduce", "all_reduce", "allgather", "cross_device_reduce")),
     ("attention", ("attention", "flash_fwd", "fmha")),
     ("norm", ("rms_norm", "layer_norm")),
     ("rope", ("_rope", "rotary")),
@@ -66,7 +67,7 @@ KERNEL_CATEGORIES = (
     ("KV write", ("write_kv", "reshape_and_cache")),
     ("GEMM", ("gemm", "gemv", "nvjet", "cutlass", "cublas", "_matmul_kernel", "aten::mm", "aten::addmm", "aten::bmm")),
 )
-CATEGORY_ORDER = ("GEMM", "attention", "norm", "rope", "silu·mul", "KV write", "other")
+CATEGORY_ORDER = ("GEMM", "attention", "norm", "rope", "silu·mul", "KV write", "collective", "other")
 
 
 def kernel_category(name: str) -> str:

@@ -378,6 +378,18 @@ class CudaGraphRunner:
             len(self._graphs), self.buckets, self.token_buckets, self.capture_seconds, used_mib,
         )
 
+    def release(self) -> None:
+        """Frees every captured graph. NCCL counts the graphs that captured a collective on a
+        communicator, and destroying the communicator waits until that count is zero: a TP
+        worker whose graphs were still alive hung in ``destroy_process_group`` (pytorch#115388;
+        on 2 × H200 the workers never exited). Call before destroying the process group."""
+        if self._graphs:
+            torch.cuda.synchronize(self.device)
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._outputs.clear()
+
     def _metadata(self, key: tuple[str, int]) -> AttentionMetadata:
         """Static-buffer metadata of a bucket. A decode bucket's host lists are a decode
         step's (one token per sequence); a mixed bucket's attention runs from its work list.

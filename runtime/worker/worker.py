@@ -14,6 +14,7 @@ later plans' decodes.
 from __future__ import annotations
 
 import cProfile
+import dataclasses
 import io
 import json
 import math
@@ -34,6 +35,7 @@ from pipeserve.parallel.auth import KEY_ENV, KEY_FILE_ENV, RunKey, remove_key_fi
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, stage_ranks
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
 from pipeserve.parallel.stage_plan import plan_model_stages
+from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime import progress
@@ -74,6 +76,7 @@ class Worker:
         self.config, self.ctx, self.device = config, ctx, device
         self.dtype = config.torch_dtype(device)
         if loaded is None:
+            self.ctx = ctx = self._with_symmetric_sums(ctx)
             loaded = self._load()
         assert loaded.model.start_layer == 0 or ctx.pp_size > 1
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -112,6 +115,17 @@ class Worker:
             else:
                 self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1)
         progress.info("ready in %.1f s", time.perf_counter() - start)
+
+    def _with_symmetric_sums(self, ctx: ParallelContext) -> ParallelContext:
+        """TP on CUDA: the forward's sums through symmetric memory (``parallel/symmetric.py``),
+        sized for the largest micro-batch. Deterministic mode keeps its own sums."""
+        if ctx.tp_size == 1 or self.device.type != "cuda" or self.config.deterministic:
+            return ctx
+        model_config, _, _ = read_config_and_tokenizer(self.config.model)
+        reduce = SymmetricAllReduce.create(
+            ctx.tp_group, max_numel=self.config.scheduler.max_num_batched_tokens * model_config.hidden_size,
+            dtype=self.dtype, device=self.device)
+        return dataclasses.replace(ctx, tp_reduce=reduce)
 
     def _load(self) -> LoadedModel:
         """This rank's slice of the checkpoint: its stage's layers, its TP shard."""
@@ -294,6 +308,11 @@ class Worker:
         if os.environ.get("PIPESERVE_STAGE_STATS"):
             stats = dict(rank=self.ctx.rank, stage=self.ctx.stage, **self.busy.summary())
             print("STAGE_STATS " + json.dumps(stats), flush=True)
+
+    def release_graphs(self) -> None:
+        if self.runner.cuda_graphs is not None:
+            self.runner.cuda_graphs.release()
+            self.runner.cuda_graphs = None
 
     def stage_timeline(self) -> dict | None:
         """Benchmarks: this rank's per-step timeline (None unless recorded), read by the bench
@@ -578,6 +597,7 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
         timelines = gather_timelines(worker.stage_timeline(), rank, ctx.world_size, control)
         if timelines is not None and (out_dir := os.environ.get(STAGE_STATS_DIR_ENV)):
             write_timelines(out_dir, timelines)
+    worker.release_graphs()  # before the communicators go (CudaGraphRunner.release)
     dist.destroy_process_group()
 
 

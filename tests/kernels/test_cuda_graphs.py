@@ -194,7 +194,7 @@ def test_when_graphs_are_on():
     small = EngineConfig(cuda_graph_max_batch=16, scheduler=SchedulerConfig(max_num_seqs=64))
     assert graph_max_batch(small) == 16
     assert graph_max_batch(EngineConfig(cuda_graph_max_batch=0)) == 0
-    assert config.cuda_graph_max_tokens == 1024 and graph_max_tokens(config) == 512
+    assert config.cuda_graph_max_tokens == 4096 and graph_max_tokens(config) == 512
     assert graph_max_tokens(EngineConfig(cuda_graph_max_tokens=256)) == 256
     assert graph_max_tokens(EngineConfig(deterministic=True)) == 0
     assert graphs_enabled(max_batch=0, max_tokens=64, device=gpu, ops_name="triton")
@@ -214,7 +214,7 @@ def test_app_configs_set_the_field():
     for name in ("generate", "serve", "bench", "profile"):
         with initialize_config_module(config_module="pipeserve.configs", version_base=None):
             engine = compose(config_name=name).engine
-        assert engine.cuda_graph_max_batch == 256 and engine.cuda_graph_max_tokens == 1024, name
+        assert engine.cuda_graph_max_batch == 256 and engine.cuda_graph_max_tokens == 4096, name
 
 
 # --- the padded forward against the eager one ----------------------------------------------

@@ -32,6 +32,8 @@ NAMED = [
     ("_rope_kernel", "rope"),
     ("_silu_mul_kernel", "silu·mul"),
     ("_write_kv_kernel", "KV write"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
+    ("void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(...)", "collective"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, ...)", "other"),
     ("Memcpy HtoD (Pinned -> Device)", "other"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::ArgMaxOps>>", "other"),
@@ -41,7 +43,7 @@ NAMED = [
 def test_kernels_are_grouped_by_name():
     assert [kernel_category(name) for name, _ in NAMED] == [cat for _, cat in NAMED]
     seconds = {"GEMM": 4.0, "attention": 2.0, "norm": 0.5, "rope": 0.25, "silu·mul": 0.25, "KV write": 0.125,
-               "other": 3.0}
+               "collective": 1.0, "other": 3.0}
     per_category = {cat: sum(1 for _, c in NAMED if c == cat) for cat in CATEGORY_ORDER}
     kernels = [(name, seconds[cat] / per_category[cat]) for name, cat in NAMED]
     grouped = group_kernel_times(kernels)
