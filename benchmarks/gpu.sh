@@ -10,6 +10,7 @@
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
+#   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2, NCCL's sums against symmetric memory, kernels by kind
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
 # benchmarks/README.md says what each measures, how long it takes and what to carry (FastGen's
@@ -26,7 +27,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling capacity bubbles roofline profile"
+SCENARIOS="peers prefix sharegpt scaling capacity bubbles roofline tpsteps profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -184,6 +185,13 @@ gaps() {  # where a run's idle time went (tools.pipeline_gaps; CPU only), beside
 
 roofline() {  # ~2 min
   tool roofline 300 0 roofline $TOK_TOOL --profile --out "$DIR/roofline.json"
+}
+
+tpsteps() {  # ~2 min: three runs of tools/tp_steps (start-up and graph capture included)
+  need_gpus 2 || return 0
+  tool tpsteps-tp1 200 0 tp_steps $TOK_TOOL --profile --out "$DIR/tp1.json"
+  run tpsteps-tp2 200 0,1 torchrun --nproc-per-node 2 -m tools.tp_steps $TOK_TOOL --profile --out "$DIR/tp2.json"
+  run tpsteps-tp2-nccl 200 0,1 torchrun --nproc-per-node 2 -m tools.tp_steps $TOK_TOOL --nccl --out "$DIR/tp2-nccl.json"
 }
 
 profile() {  # ~2-3 min, once per card

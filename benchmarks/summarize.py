@@ -194,6 +194,22 @@ def roofline(folder: str):
     return [head] + table(["step", "ms", "TFLOP/s", "MFU", "floor ms", "÷ floor"], rows), data["rows"]
 
 
+def tpsteps(folder: str):
+    runs = {name: load(os.path.join(folder, f"{name}.json")) for name in ("tp1", "tp2", "tp2-nccl")}
+    if runs["tp1"] is None or runs["tp2"] is None:
+        return ["tpsteps: no result (see tpsteps-*.log)"], {}
+    rows, figures = [], {}
+    for case, one in runs["tp1"]["rows"].items():
+        two, nccl = runs["tp2"]["rows"][case], (runs["tp2-nccl"] or {"rows": {}})["rows"].get(case)
+        coll = two.get("kernel_ms", {}).get("collective")
+        rows.append([case, f"{one['step_ms']:.2f}", f"{nccl['step_ms']:.2f}" if nccl else "",
+                     f"{two['step_ms']:.2f}", f"{one['step_ms'] / two['step_ms']:.2f}×",
+                     f"{coll:.2f}" if coll is not None else ""])
+        figures[case] = {"tp1_ms": one["step_ms"], "tp2_ms": two["step_ms"],
+                         "tp2_nccl_ms": nccl["step_ms"] if nccl else None, "tp2_collective_ms": coll}
+    return table(["step", "tp=1 ms", "tp=2 NCCL ms", "tp=2 ms", "tp=1 / tp=2", "tp=2 sums ms (kernels)"], rows), figures
+
+
 def profile(folder: str):
     data = load(os.path.join(folder, "cost_model.json"))
     if data is None:
@@ -205,7 +221,7 @@ def profile(folder: str):
         {k: data[k] for k in ("cost_model", "relative_error", "suggested_time_budget_s")}
 
 
-SCENARIOS = {f.__name__: f for f in (peers, prefix, sharegpt, scaling, capacity, bubbles, roofline, profile)}
+SCENARIOS = {f.__name__: f for f in (peers, prefix, sharegpt, scaling, capacity, bubbles, roofline, tpsteps, profile)}
 
 
 def main(argv=None) -> None:

@@ -118,8 +118,9 @@ class EngineConfig:
     cuda_graph_max_tokens: int = 4096
     """Other micro-batches (prompt chunks, with or without decodes) of up to this many tokens
     replay a CUDA graph too, bucketed by token count (multiples of 16 up to 512, then of 32
-    up to 1024, …; the step is padded): launching an 8B stage's kernels one by one takes the
-    host longer than the device needs to run a 512-token chunk. 0 = run them eagerly. Not in
+    up to 1024, …; the step is padded; never past the scheduler's budget): launching an 8B
+    stage's kernels one by one takes the host longer than the device needs to run a 512-token
+    chunk, and at tp=2 longer than a 2,048-token step. 0 = run them eagerly. Not in
     deterministic mode."""
     split_decode_attention: bool = True
     """Decode-only micro-batches too small to fill the GPU cut each context's keys into ranges
