@@ -4,8 +4,10 @@ same greedy tokens as the single-process engine, with chunked prefills in flight
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
+from helpers_net import descendants, listening_sockets
 
 from pipeserve import LLM, SamplingParams
 from pipeserve.parallel.stage_plan import StageLayers
@@ -43,9 +45,12 @@ def reference():
     ids=["tp2", "pp2-no-feedback", "pp3", "tp2pp2", "pp4"],
 )
 def test_greedy_tokens_match_single_process(reference, tp, pp, feedback):
-    """Token feedback is on by default (pp > 1); pp=2 without it (and with it below)."""
+    """Token feedback is on by default (pp > 1); pp=2 without it (and with it below). Nothing
+    the run opened listens beyond loopback: not the engine, not torchrun's store, not Gloo."""
     with LLM(**COMMON, tensor_parallel_size=tp, pipeline_parallel_size=pp, token_feedback=feedback) as llm:
         outs = llm.chat(chats(), GREEDY)
+        listening = listening_sockets([os.getpid(), *descendants(os.getpid())])
+        assert listening and {addr for addr, _ in listening} == {"127.0.0.1"}, listening
         assert [o.outputs[0].token_ids for o in outs] == reference
         sched = llm.engine.scheduler
         assert sched.block_manager.num_free_blocks == llm.engine.state.num_kv_blocks
