@@ -24,10 +24,11 @@ from pipeserve.scheduler.sampling_params import SamplingParams
 def engine_config(cfg: DictConfig) -> EngineConfig:
     """Hydra selects and overrides; the code receives validated dataclasses. ValueError, naming
     the key, for a bad value or a model path that does not exist: before anything loads."""
-    if cfg.model.path is not None:
-        resolve_model_path(cfg.model.path)
+    model = cfg.model.path
+    if model is not None:  # a hub id becomes its snapshot folder here, once, for every rank
+        model = resolve_model_path(model, cfg.model.get("revision"))
     return from_block(
-        EngineConfig, cfg.engine, "engine", model=cfg.model.path,
+        EngineConfig, cfg.engine, "engine", model=model,
         scheduler=from_block(SchedulerConfig, cfg.scheduler, "scheduler"),
         parallel=from_block(ParallelConfig, cfg.parallel, "parallel"),
     )

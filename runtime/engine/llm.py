@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
+from pipeserve.runtime.model import hub
 from pipeserve.runtime.engine.llm_engine import LLMEngine
 from pipeserve.runtime.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
 from pipeserve.scheduler.sampling_params import SamplingParams
@@ -45,10 +46,18 @@ class LLM:
         kernel_backend: str = "auto",
         deterministic: bool = False,
         reduction_splits: int = 0,
+        revision: str | None = None,
     ) -> None:
-        """With tensor_parallel_size × pipeline_parallel_size > 1 the engine stays in this
-        process and starts that many workers under torchrun; `close()` stops them.
-        `prefix_grouping` (BatchLLM-style offline batches) turns prefix caching on too."""
+        """`model`: a Hugging Face folder, a .gguf file, or a hub id (``org/name``, at
+        `revision`; fetched into the Hugging Face cache, ``runtime/model/hub.py``); None: the
+        embedded SmolLM2-135M-Instruct. With tensor_parallel_size × pipeline_parallel_size > 1
+        the engine stays in this process and starts that many workers under torchrun; `close()`
+        stops them. `prefix_grouping` (BatchLLM-style offline batches) turns prefix caching on
+        too."""
+        if revision is not None and (model is None or not hub.is_hub_id(model)):
+            raise ValueError(f"revision={revision!r} applies to a hub id (org/name), not to model={model!r}")
+        if model is not None and hub.is_hub_id(model):
+            model = hub.snapshot(model, revision)  # once, here: every rank reads this snapshot
         scheduler = SchedulerConfig(
             policy=scheduler_policy,
             max_num_batched_tokens=max_num_batched_tokens,

