@@ -25,6 +25,8 @@ _BLOCK = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -72,6 +74,9 @@ def write_tiny_llama_gguf(
     writer.add_head_count(n_head)
     writer.add_head_count_kv(n_kv_head)
     writer.add_rope_dimension_count(head_dim)
+    if head_dim != config["hidden_size"] // n_head:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
     writer.add_vocab_size(config["vocab_size"])

@@ -18,7 +18,7 @@ from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
 from pipeserve.runtime.model.llama import LlamaForCausalLM
 
 # Every kind is hidden 64, 4 heads / 2 KV heads (GQA), head_dim 16, vocab 256.
-TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "qwen2", "mistral")
+TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "mistral")
 
 _TINY_SHAPE = dict(
     vocab_size=256,
@@ -37,7 +37,7 @@ _TINY_SHAPE = dict(
 
 def tiny_hf_config(kind: str, **overrides):
     """A transformers config for one of TINY_KINDS."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     shape = {**_TINY_SHAPE, **overrides}
     if kind == "llama":
@@ -57,6 +57,8 @@ def tiny_hf_config(kind: str, **overrides):
         return LlamaConfig(**shape, rope_scaling={"rope_type": "linear", "factor": 2.0})
     if kind == "qwen2":  # q/k/v biases, tied like Qwen2-0.5B
         return Qwen2Config(**shape, tie_word_embeddings=True)
+    if kind == "qwen3":  # q/k norms per head; heads × head_dim ≠ hidden (as Qwen3-0.6B); untied
+        return Qwen3Config(**{**shape, "head_dim": 32, **overrides}, tie_word_embeddings=False, attention_bias=False)
     if kind == "mistral":
         return MistralConfig(**shape, sliding_window=None)
     raise ValueError(f"unknown tiny model kind {kind!r}")

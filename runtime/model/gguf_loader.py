@@ -23,10 +23,10 @@ import gguf
 import numpy as np
 import torch
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 # llama.cpp's convert_hf_to_gguf permutes q/k rows for interleaved RoPE only in LlamaModel
-# (and its subclasses); its Qwen2Model writes them in HF order.
+# (and its subclasses); its Qwen2Model (and Qwen3Model, a subclass) writes them in HF order.
 _PERMUTED_QK_ARCHITECTURES = {"llama"}
 
 _GLOBAL_NAMES = {
@@ -42,6 +42,8 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
@@ -205,7 +207,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     """Parse a GGUF file's metadata and tensor index; no tensor data is read.
 
     Raises ValueError for a missing path, a file that is not GGUF, an architecture other than
-    llama/qwen2, or tensors this loader does not know how to name.
+    llama/qwen2/qwen3, or tensors this loader does not know how to name.
     """
     path = os.fspath(path)
     _check_is_gguf(path)

@@ -162,6 +162,10 @@ class Attention(nn.Module):
         )
         # HF projection -> (our fused projection, its part: the loader places the rows).
         self.hf_shards = {f"{p}_proj": ("qkv_proj", p) for p in "qkv"}
+        # Qwen3: one RMSNorm weight over head_dim for every query head, one for every key head
+        # (the same on every TP rank).
+        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -178,6 +182,9 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)  # [T, h, d]
         k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
         v = v.view(T, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        if self.q_norm is not None:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim), None, ops)[0].view(T, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim), None, ops)[0].view(T, self.num_kv_heads, self.head_dim)
         q, k = ops.rope(q, k, cos, sin)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         o = ops.paged_attention(q, kv_cache, meta, self.scale)  # [T, h, d]

@@ -1,9 +1,9 @@
 """The shape of a Llama-family model, read from a Hugging Face ``config.json``.
 
-Llama 2/3, Mistral and Qwen2 share one decoder: RMSNorm, RoPE (NeoX / rotate-half layout),
-grouped-query attention and a SwiGLU MLP. They differ only in the values here: Qwen2 adds
-q/k/v biases, Llama 3 scales its RoPE frequencies, small models tie the LM head to the
-embedding.
+Llama 2/3, Mistral, Qwen2 and Qwen3 share one decoder: RMSNorm, RoPE (NeoX / rotate-half
+layout), grouped-query attention and a SwiGLU MLP. They differ only in the values here: Qwen2
+adds q/k/v biases, Qwen3 an RMSNorm of each query and key head before RoPE, Llama 3 scales its
+RoPE frequencies, small models tie the LM head to the embedding.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("llama3", "linear")  # plus no scaling ("default" / None)
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
 }
 _LLAMA3_ROPE_KEYS = (
     "factor",
@@ -52,6 +53,8 @@ class ModelConfig:
     """The LM head reuses the input embedding matrix."""
     attention_bias: bool
     """q/k/v projections have biases (Qwen2; Llama's ``attention_bias`` also biases o_proj)."""
+    qk_norm: bool = False
+    """Each query and key head is RMS-normed (its own weight of head_dim) before RoPE (Qwen3)."""
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -125,6 +128,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM"
             or bool(d.get("attention_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos_token_ids),
         )
@@ -195,6 +199,6 @@ def _max_positions(d: dict[str, Any], architecture: str) -> int:
     full attention is exact (vLLM did the same before it supported windows)."""
     max_positions = _require(d, "max_position_embeddings")
     window = d.get("sliding_window")
-    if architecture == "Qwen2ForCausalLM" and not d.get("use_sliding_window", False):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
         window = None
     return min(max_positions, window) if window else max_positions

@@ -346,6 +346,17 @@ def test_tp2_qwen2_bias_and_tied_embeddings(tmp_path):
     check_slices(results, folder, tp=2, pp=1, kv_aligned=True)
 
 
+def test_qwen3_head_norms_tp2_and_tp2_pp2(tmp_path):
+    """Qwen3's per-head query and key norms (each rank holds the whole head_dim weights) with
+    heads × head_dim (128) ≠ hidden (64): tp=2, then tp=2 × pp=2."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=9)
+    results = run_ranks(tmp_path, folder, tp=2)
+    assert all(r["numels"]["layers.0.self_attn.q_norm.weight"] == 32 for r in results)
+    check_logits(results, folder)
+    (tmp_path / "pp").mkdir()
+    check_logits(run_ranks(tmp_path / "pp", folder, tp=2, pp=2), folder)
+
+
 def test_tp2_pp2_tied_head_on_the_last_stage(tmp_path):
     """4 ranks: stage 0 (embedding + layer 0) sends to stage 1 (layer 1 + head); the last
     stage's head reads its vocab rows from the tied embedding."""
@@ -389,6 +400,7 @@ def test_tp2_smollm2_gguf(tmp_path):
     [
         ("llama", NINE_HEADS | {"vocab_size": 251}, 2, 1),
         ("qwen2", {}, 2, 1),
+        ("qwen3", {}, 2, 1),
         ("llama_tied", {}, 1, 2),
     ],
 )

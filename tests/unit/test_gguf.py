@@ -1,6 +1,7 @@
 """GGUF loading: tiny files written with gguf.GGUFWriter, and the real SmolLM2 GGUF against
 transformers' own GGUF dequantization and q/k un-permutation."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -70,6 +71,32 @@ def test_tiny_qwen2_is_not_unpermuted(tmp_path):
     got = dict(ckpt.iter_weights())
     assert set(got) == set(state)
     assert all(torch.equal(got[n], t) for n, t in state.items())
+
+
+def test_tiny_qwen3_gguf_matches_transformers(tmp_path):
+    """A Qwen3 GGUF (per-head q/k norms, head_dim 32 with 4 heads on hidden 64, not permuted, as
+    llama.cpp's Qwen3Model writes it) loads to the model of its safetensors: the logits of
+    transformers' Qwen3."""
+    from helpers_model import PagedRunner, hf_logits, load_hf_reference, write_tiny_checkpoint
+    from safetensors.torch import load_file
+
+    from pipeserve.runtime.model.llama import LlamaForCausalLM
+    from pipeserve.runtime.model.model_config import ModelConfig
+
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3", seed=11)
+    config = json.loads((folder / "config.json").read_text())
+    state = load_file(folder / "model.safetensors")
+    path = str(tmp_path / "qwen3.gguf")
+    write_tiny_llama_gguf(path, state, config, arch="qwen3")
+    ckpt = read_gguf(path)
+    assert ckpt.config["architectures"] == ["Qwen3ForCausalLM"] and ckpt.config["head_dim"] == 32
+    got = dict(ckpt.iter_weights())
+    assert set(got) == set(state) and all(torch.equal(got[n], t) for n, t in state.items())
+    model = LlamaForCausalLM(ModelConfig.from_hf_dict(ckpt.config))
+    model.load_weights(ckpt.iter_weights())
+    prompt = list(range(3, 40))
+    [logits] = PagedRunner(model).step([(0, prompt)])
+    assert (logits - hf_logits(load_hf_reference(folder), prompt)).abs().max().item() < 1e-4
 
 
 def test_iter_weights_reads_only_the_requested_slice(tmp_path):
