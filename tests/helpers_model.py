@@ -18,7 +18,8 @@ from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
 from pipeserve.runtime.model.llama import LlamaForCausalLM
 
 # Every kind is hidden 64, 4 heads / 2 KV heads (GQA), head_dim 16, vocab 256.
-TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "qwen2", "qwen3", "mistral")
+TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "llama_yarn_rope", "qwen2", "qwen3",
+              "mistral")
 
 _TINY_SHAPE = dict(
     vocab_size=256,
@@ -55,6 +56,9 @@ def tiny_hf_config(kind: str, **overrides):
         return LlamaConfig(**shape, rope_scaling=scaling)
     if kind == "llama_linear_rope":
         return LlamaConfig(**shape, rope_scaling={"rope_type": "linear", "factor": 2.0})
+    if kind == "llama_yarn_rope":  # original context 32 < prompt; cos/sin scaled by 0.1 ln 4 + 1
+        return LlamaConfig(**shape, rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                  "original_max_position_embeddings": 32})
     if kind == "qwen2":  # q/k/v biases, tied like Qwen2-0.5B
         return Qwen2Config(**shape, tie_word_embeddings=True)
     if kind == "qwen3":  # q/k norms per head; heads × head_dim ≠ hidden (as Qwen3-0.6B); untied

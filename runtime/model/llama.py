@@ -61,16 +61,24 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, with Llama-3 or linear scaling,
-    computed exactly as transformers' ``_compute_llama3_parameters`` /
-    ``_compute_linear_scaling_rope_parameters``."""
+    """Inverse frequencies [head_dim / 2] in float32 (``rope_parameters`` without its factor)."""
+    return rope_parameters(config)[0]
+
+
+def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim / 2] in float32, the factor cos and sin are scaled by),
+    with Llama-3, linear or YaRN scaling, computed exactly as transformers'
+    ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
+    ``_compute_yarn_parameters``."""
     d = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     if scaling["rope_type"] == "linear":
-        return inv_freq / scaling["factor"]
+        return inv_freq / scaling["factor"], 1.0
+    if scaling["rope_type"] == "yarn":
+        return _yarn(config, scaling)
     assert scaling["rope_type"] == "llama3", scaling
     factor = scaling["factor"]
     low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -86,7 +94,40 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     )
     smoothed = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
     is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium_freq, smoothed, inv_freq_llama)
+    return torch.where(is_medium_freq, smoothed, inv_freq_llama), 1.0
+
+
+def _yarn(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN: dimensions that turn fewer than ``beta_slow`` times over the original context are
+    interpolated (slowed by ``factor``), those that turn more than ``beta_fast`` times kept,
+    with a linear ramp between; cos and sin grow by the attention factor (0.1 ln(factor) + 1
+    unless given)."""
+    d, base = config.head_dim, config.rope_theta
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or config.max_position_embeddings / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling.get("beta_fast") or 32), correction_dim(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+    keep = 1 - ramp  # 1: the original frequency (extrapolated), 0: interpolated
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(attention_factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -100,11 +141,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)  # [max_pos, d] float32
 
     def _tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = rope_inv_freq(self.config).to(device)  # [d/2]
+        inv_freq, scale = rope_parameters(self.config)
+        inv_freq = inv_freq.to(device)  # [d/2]
         positions = torch.arange(self.config.max_position_embeddings, device=device).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, d]
-        return emb.cos(), emb.sin()
+        return emb.cos() * scale, emb.sin() * scale
 
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) would round the tables; rebuild them in float32 instead.

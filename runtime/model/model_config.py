@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("llama3", "linear")  # plus no scaling ("default" / None)
+SUPPORTED_ROPE_TYPES = ("llama3", "linear", "yarn")  # plus no scaling ("default" / None)
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -46,7 +46,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    """None for plain RoPE; else {"rope_type": "llama3" | "linear", "factor": ..., ...}."""
+    """None for plain RoPE; else {"rope_type": "llama3" | "linear" | "yarn", "factor": ..., ...}."""
     max_position_embeddings: int
     """Longest context; the RoPE tables are precomputed up to here."""
     tie_word_embeddings: bool
@@ -109,6 +109,8 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' (SwiGLU)")
         if d.get("mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"partial_rotary_factor={d['partial_rotary_factor']} (RoPE on part of each head) is not supported")
         rope_theta, rope_scaling = _rope(d)
         eos = d.get("eos_token_id")
         eos_token_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
@@ -185,10 +187,12 @@ def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
             f"unsupported rope scaling {rope_type!r}; supported: default, "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    keys = _LLAMA3_ROPE_KEYS if rope_type == "llama3" else ("factor",)
+    keys = {"llama3": _LLAMA3_ROPE_KEYS, "yarn": ("original_max_position_embeddings",)}.get(rope_type, ("factor",))
     missing = [k for k in keys if k not in rope_scaling]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
+    if rope_type == "yarn" and rope_scaling.get("factor") is None:
+        return  # DeepSeek-style: max_position_embeddings / original_max_position_embeddings
     if not rope_scaling["factor"] > 0 or not math.isfinite(rope_scaling["factor"]):
         raise ValueError(f"rope_scaling factor must be positive, got {rope_scaling['factor']}")
 

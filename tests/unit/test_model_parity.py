@@ -29,7 +29,7 @@ from helpers_model import (  # noqa: E402
 )
 
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block  # noqa: E402
-from pipeserve.runtime.model.llama import LlamaForCausalLM, rope_inv_freq  # noqa: E402
+from pipeserve.runtime.model.llama import LlamaForCausalLM, rope_inv_freq, rope_parameters  # noqa: E402
 from pipeserve.runtime.model.model_config import ModelConfig  # noqa: E402
 from pipeserve.runtime.model.weights import iter_safetensors, load_hf_model  # noqa: E402
 
@@ -141,16 +141,16 @@ def test_two_stage_pipeline_split_matches_whole_model(tiny):
 # --- RoPE, config, weights, cache ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama3_rope", "llama_linear_rope"])
+@pytest.mark.parametrize("kind", ["llama3_rope", "llama_linear_rope", "llama_yarn_rope"])
 def test_rope_inv_freq_matches_transformers(kind):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf_config = tiny_hf_config(kind)
     config = ModelConfig.from_hf_dict(hf_config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
     rope_type = config.rope_scaling["rope_type"]
-    want, _ = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
-    got = rope_inv_freq(config)
-    assert torch.equal(got, want)
+    want, want_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    got, scale = rope_parameters(config)
+    assert torch.equal(got, want) and scale == want_scale
     unscaled = rope_inv_freq(dataclasses.replace(config, rope_scaling=None))
     assert (got != unscaled).sum() >= len(got) // 2  # the scaling is really exercised
 
@@ -208,7 +208,9 @@ def test_config_defaults_and_hf_variants():
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"hidden_size": 66}, "no head_dim"),
         ({"head_dim": 15}, "even"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "unsupported rope scaling"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "unsupported rope scaling"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "lacks"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
         ({"hidden_act": "gelu"}, "hidden_act"),
     ],
