@@ -1,7 +1,8 @@
 """The Slurm launch path against a real Slurm: Debian's slurmctld and two slurmd "nodes" on this
 host (tests/helpers_slurm.py). The sbatch templates of launch/slurm/ are submitted unchanged,
 with Hydra overrides and environment variables as a user passes them, and run the real CPU job
-on SmolLM2; the Hydra sweep goes through the submitit launcher (configs/launcher/).
+on SmolLM2; the Hydra sweep goes through the submitit launcher (configs/launcher/). A sweep job
+is cut short and requeued.
 
 Every job is submitted up front (they run side by side, as Slurm schedules them) and each test
 then waits for its own. Skipped, with the reason, where Slurm cannot be started here.
@@ -41,6 +42,9 @@ BENCH = ["engine.num_kv_blocks=64", "parallel.liveness_timeout_s=30", "workload=
          "workload.num_requests=4", "workload.min_prompt_len=16", "workload.max_prompt_len=48",
          "workload.min_output_len=6", "workload.max_output_len=6", "bench.plots=false",
          "bench.warmup_requests=0"]
+# A sweep of three points whose second waits minutes for its requests (Poisson arrivals at
+# 0.002/s): it is still running whenever its test cuts the job short.
+CUT_SWEEP = ["workload.rate=1000,0.002,500", "workload.arrival=poisson", "parallel.pp=2"]
 API_KEY = "slurm-test-key"
 JOB_TIMEOUT_S = 240
 
@@ -103,6 +107,8 @@ def jobs(cluster):
                                     env={**env, "RDZV_PORT": str(free_port())}),
         "bench": cluster.sbatch(TEMPLATES / "bench.sbatch", *bench, env=env, cwd=folder),
         "sweep": cluster.sbatch(TEMPLATES / "sweep.sbatch", "scheduler=sarathi,orca", *bench, env=env, cwd=folder),
+        "sweep_cut": cluster.sbatch(TEMPLATES / "sweep.sbatch", *CUT_SWEEP, *bench, env=env, cwd=folder,
+                                    options=("--cpus-per-task=1",)),  # one core: it mostly waits
         "serve": cluster.sbatch(TEMPLATES / "serve.sbatch", *SMALL, cwd=folder,
                                 env={**env, "PP": "2", "PIPESERVE_API_KEY": API_KEY}),  # the template's own port
         "bench_multinode": cluster.sbatch(TEMPLATES / "bench_multinode.sbatch", *bench, cwd=folder,
@@ -264,6 +270,62 @@ def test_sweep_template(cluster, jobs):
     sweep = run_dir(jobs, "sweep")
     check_table(sweep, ["sarathi", "orca"])
     assert "sweep_table.md" in out  # the parent printed the table too
+
+
+def test_sweep_template_cut_short_and_requeued(cluster, jobs):
+    """While the second of three points runs, `scontrol requeue` (what preemption does) sends
+    SIGTERM: the point stops, the table marks it "cut short" and the third "not run". The job runs
+    again in the same folder, does not run the first point again, and `scancel --signal=TERM` (the
+    time limit's warning, sent now) stops it the same way: the job COMPLETES, its output clean."""
+    job_id = jobs["ids"]["sweep_cut"]
+    wait_for_output(cluster, jobs, "sweep_cut", "ready in", count=2)  # the second point's engine runs
+    sweep = run_dir(jobs, "sweep_cut")
+    first_pid = json.loads((sweep / "0" / "result.json").read_text())["pid"]
+    cluster.run("scontrol", "requeue", job_id)
+    wait_for(f"job {job_id} requeued", lambda: cluster.job(job_id)["JobState"] == "PENDING", 120)
+    check_cut_table(sweep)  # the first run's
+    # Slurm holds a requeued job back while its first run's credential lives (2 minutes by default)
+    cluster.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    wait_for_output(cluster, jobs, "sweep_cut", "ready in", count=3)
+    cluster.run("scancel", "--signal=TERM", job_id)
+    info = cluster.wait(job_id, 120)
+    out = output(jobs, "sweep_cut")  # both runs (--open-mode=append)
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), f"{info}\n{out[-4000:]}"
+    check_cut_table(sweep)
+    assert json.loads((sweep / "0" / "result.json").read_text())["pid"] == first_pid
+    assert f"{sweep}/0/result.json is there already: not run again" in out
+    assert out.count("pipeserve sweep: stopped by SIGTERM with 1 of 3 points done") == 2, out[-4000:]
+    for trace in ("Traceback", "Broken pipe", "Connection reset", "SignalException"):
+        assert trace not in out, out[-4000:]
+    wait_for(f"the processes of job {job_id} to end", lambda: not job_processes(job_id), 30)
+
+
+def check_cut_table(sweep: Path) -> None:
+    """The first point measured, the second cut short, the third not run."""
+    header, _, *rows = [cells(line) for line in (sweep / "sweep_table.md").read_text().splitlines()]
+    table = [dict(zip(header, row)) for row in rows]
+    assert [(r["workload.rate"], r["status"]) for r in table] == [
+        ("1000", "ok"), ("0.002", "cut short"), ("500", "not run")], table
+    assert float(table[0]["out tok/s"]) > 0 and table[1]["out tok/s"] == table[2]["out tok/s"] == ""
+    assert not (sweep / "1" / "result.json").exists()
+    assert (sweep / "sweep_table.csv").read_text().count("cut short") == 1
+
+
+def wait_for_output(cluster, jobs, name: str, text: str, count: int) -> None:
+    """Until the job's output holds ``text`` ``count`` times, the job pending or running."""
+    def seen() -> bool:
+        state = cluster.job(jobs["ids"][name])["JobState"]
+        assert state in ("PENDING", "RUNNING"), f"{name} job {state}:\n{output(jobs, name)[-4000:]}"
+        return output(jobs, name).count(text) >= count
+
+    wait_for(f"{text!r} {count} times in the output of {name}", seen, JOB_TIMEOUT_S)
+
+
+def wait_for(what: str, ready, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"no {what} after {timeout_s:.0f} s"
+        time.sleep(0.3)
 
 
 def check_table(sweep: Path, schedulers: list[str]) -> None:
