@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from pipeserve.parallel.auth import RunKey
-from pipeserve.parallel.local_torchrun import LOOPBACK, interface_env
+from pipeserve.parallel.torchrun import LOOPBACK
 from pipeserve.parallel.transport import EngineChannel, TransportConfig, TransportError
 from pipeserve.parallel.wire import BlockTableDiffer, SeqPlan, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime.worker.worker import STAGE_STATS_DIR_ENV, write_timelines
@@ -293,10 +293,10 @@ _EXEC_IGNORING_SIGTERM = ("import os, signal, sys; signal.signal(signal.SIGTERM,
 def launch_torchrun(world_size: int, env: dict[str, str]):
     """A launcher for DistributedExecutor: one torchrun of `world_size` workers on this node,
     whose store, Gloo and NCCL listen on the loopback interface only
-    (``parallel/local_torchrun.py``; the workers meet the engine at its own address)."""
+    (``parallel/torchrun.py``; the workers meet the engine at its own address)."""
 
     def launch(channel_env: dict[str, str]) -> subprocess.Popen:
-        full_env = {**interface_env(LOOPBACK), **os.environ, **env, **channel_env}
+        full_env = dict(os.environ, **env, **channel_env)
         # torchrun would set 1 itself, with a banner on every start.
         full_env.setdefault("OMP_NUM_THREADS", "1")
         # SIGTERM is the engine's to act on: Slurm (scancel, the time limit) sends it to every
@@ -304,7 +304,7 @@ def launch_torchrun(world_size: int, env: dict[str, str]):
         # down itself. So torchrun neither handles nor forwards it, and it and the workers start
         # with it ignored (dispositions set to ignore survive exec).
         full_env.update(PET_SIGNALS_TO_HANDLE="SIGINT,SIGHUP,SIGQUIT", PIPESERVE_WORKER_IGNORE_SIGTERM="1")
-        cmd = [sys.executable, "-c", _EXEC_IGNORING_SIGTERM, "-m", "pipeserve.parallel.local_torchrun",
+        cmd = [sys.executable, "-c", _EXEC_IGNORING_SIGTERM, "-m", "pipeserve.parallel.torchrun",
                f"--host={LOOPBACK}", f"--nproc-per-node={world_size}", "-m", "pipeserve.runtime.worker.worker"]
         # Own session: the whole worker tree can be signalled (and reaped) as one group.
         return subprocess.Popen(cmd, env=full_env, start_new_session=True)
