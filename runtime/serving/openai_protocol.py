@@ -27,8 +27,22 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer (what ``ApiError.body`` makes); for the OpenAPI document."""
+
+    error: ErrorInfo
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Field docstrings become their descriptions in the OpenAPI document (/openapi.json).
+    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
 
 
 class StreamOptions(_Strict):

@@ -169,6 +169,25 @@ class Server:
         return pid_alive(self.engine_pid)
 
 
+SIGNAL_MODES = ("server", "group", "every process")
+
+
+def signal_server(server: Server, how: str, sig: int = signal.SIGTERM) -> None:
+    """`sig` to the server process alone, to its process group, or to every process of its tree
+    at once (what Slurm does on `scancel` and at the time limit)."""
+    if how == "server":
+        os.kill(server.proc.pid, sig)
+    elif how == "group":
+        os.killpg(server.proc.pid, sig)  # its own session: the frontend's group
+    else:  # "every process": the frontend, the engine, torchrun and the workers, at once
+        assert how == "every process", how
+        for pid in [server.proc.pid, *descendants(server.proc.pid)]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 # ---- concurrent streams through the official async client -----------------------------------
 
 QUESTIONS = ["What is the capital of France?", "Name a planet.", "What do bees make?", "Count to three.",
@@ -260,11 +279,25 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def listening_ports(pids: list[int]) -> set[int]:
-    """TCP ports on which these processes listen (their sockets' inodes against /proc/net/tcp*),
-    what `ss -ltnp` shows."""
-    inodes = set()
+def worker_ranks(pids: list[int]) -> dict[int, int]:
+    """{global rank: pid} of the torchrun workers among ``pids`` (their RANK, LOCAL_RANK)."""
+    ranks = {}
     for pid in pids:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+        except OSError:
+            continue
+        if b"RANK" in env and b"LOCAL_RANK" in env:
+            ranks[int(env[b"RANK"])] = pid
+    return ranks
+
+
+def listening_ports(pids: list[int] | None = None) -> set[int]:
+    """TCP ports on which these processes (None: any process) listen (their sockets' inodes
+    against /proc/net/tcp*), what `ss -ltnp` shows."""
+    inodes = set()
+    for pid in pids or ():
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
@@ -284,7 +317,7 @@ def listening_ports(pids: list[int]) -> set[int]:
             continue
         for row in rows:
             fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            if fields[3] == "0A" and (pids is None or fields[9] in inodes):  # LISTEN
                 ports.add(int(fields[1].rsplit(":", 1)[1], 16))
     return ports
 

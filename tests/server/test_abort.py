@@ -82,3 +82,24 @@ def test_cancel_route_frees_kv(server):
     assert server.wait_idle(timeout_s=30)["pipeserve:kv_cache_blocks_used"] == 0
     status, r = server.post(f"/v1/requests/{first['id']}/cancel", {})
     assert status == 404 and "error" in r
+
+
+def test_many_clients_hanging_up_mid_stream_free_everything(server):
+    """24 streams, each client gone after 1 to 3 events: every one is aborted, and nothing runs,
+    waits or holds a KV block a moment later."""
+    server.wait_idle()
+    before = aborted(server)
+    socks = [raw_post(server, "/v1/completions", dict(LONG, stream=True)) for _ in range(24)]
+    try:
+        for i, sock in enumerate(socks):
+            received = b""
+            while received.count(b"data: ") < 1 + i % 3:
+                chunk = sock.recv(65536)
+                assert chunk, "the server closed the stream"
+                received += chunk
+    finally:
+        for sock in socks:
+            sock.close()
+    wait_for(lambda: aborted(server) == before + 24, 30, "24 aborts")
+    m = server.wait_idle(timeout_s=30)
+    assert m["pipeserve:kv_cache_blocks_used"] == 0 and m["pipeserve:num_requests_waiting"] == 0

@@ -5,32 +5,16 @@ process exits, and the server's exit code is 0."""
 
 from __future__ import annotations
 
-import os
-import signal
-
 import pytest
-from helpers_server import Server, descendants, streams_in_background, wait_gone
+from helpers_server import SIGNAL_MODES, Server, descendants, signal_server, streams_in_background, wait_gone
 
 pytestmark = pytest.mark.timeout(400)
 
 STREAM = {"prompt": "Count to ten:", "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
 
 
-def signal_server(server: Server, how: str) -> None:
-    if how == "server":
-        os.kill(server.proc.pid, signal.SIGTERM)
-    elif how == "group":
-        os.killpg(server.proc.pid, signal.SIGTERM)  # its own session: the frontend's group
-    else:  # "every process": the frontend, the engine, torchrun and the workers, at once
-        for pid in [server.proc.pid, *descendants(server.proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-
-
 # Every way at pp=2 and tp=2; CI runs one of each layout (a server start each), `-m slow` the rest.
-CASES = [(layout, how) for layout in ("parallel.pp=2", "parallel.tp=2") for how in ("server", "group", "every process")]
+CASES = [(layout, how) for layout in ("parallel.pp=2", "parallel.tp=2") for how in SIGNAL_MODES]
 IN_CI = {("parallel.pp=2", "every process"), ("parallel.tp=2", "server")}
 
 

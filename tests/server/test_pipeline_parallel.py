@@ -1,7 +1,8 @@
 """`pipeserve serve parallel.pp=2`: the engine starts two torchrun workers (one per stage,
 gloo on CPU) and the HTTP API behaves exactly as in one process, /metrics included (live busy
-time and bubble fraction per stage); if the engine dies, in-flight streams end with an error,
-the frontend exits 1 and the workers exit too (nothing hangs)."""
+time and bubble fraction per stage); if the engine or a worker dies, in-flight streams end with
+an error, the frontend exits 1 and every other process exits too (nothing hangs, no port is left
+listening)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from helpers_server import (
     listening_ports,
     run_load,
     speaks_zeromq,
+    streams_in_background,
     wait_gone,
+    worker_ranks,
 )
 
 from pipeserve.parallel.wire import AbortRequest, AddRequest, Shutdown, StepResult, WorkerError, encode
@@ -127,3 +130,27 @@ def test_pp2_serves_like_one_process(server, pp2):
     assert pp2.proc.wait(timeout=60) == 1
     # Workers notice the engine is gone within parallel.liveness_timeout_s (10 s).
     assert all(wait_gone(pid, timeout_s=60) for pid in workers)
+
+
+@pytest.mark.slow
+def test_pp2_a_worker_killed_fails_the_clients_and_everything_exits(tmp_path):
+    server = Server.start(tmp_path, "parallel.pp=2")
+    try:
+        tree = [server.proc.pid, *descendants(server.proc.pid)]
+        ports = listening_ports(tree)
+        long = {"prompt": "Tell me a story.", "max_tokens": 300, "ignore_eos": True, "stream": True}
+        threads, results = streams_in_background(server, long, 3, timeout_s=60)
+        server.wait_until(lambda m: m.get("pipeserve:generation_tokens_total", 0) >= 6, timeout_s=120)
+        t0 = time.monotonic()
+        os.kill(worker_ranks(tree)[1], signal.SIGKILL)
+        for t in threads:
+            t.join(timeout=60)
+            assert not t.is_alive()
+        assert time.monotonic() - t0 < 10  # the engine notices at once (gloo's peer is gone)
+        for events in results:
+            assert "error" in events[-1] and "worker" in events[-1]["error"]["message"], events[-2:]
+        assert server.proc.wait(timeout=60) == 1
+        assert all(wait_gone(pid, timeout_s=60) for pid in tree)
+        assert not ports & listening_ports()
+    finally:
+        server.kill()
