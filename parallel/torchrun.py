@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import shutil
 import socket
 import sys
+import tempfile
 from datetime import timedelta
 
 BACKEND = "pipeserve"
@@ -130,8 +132,13 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed import run
 
     host = f"[{args.host}]" if ":" in args.host else args.host
-    run.main([f"--nnodes={args.nnodes}", f"--rdzv-backend={BACKEND}", f"--rdzv-conf=rank={args.node_rank}",
-              f"--rdzv-endpoint={host}:{args.master_port}", *rest])
+    # torchrun's own default is a fresh torchelastic_* folder in TMPDIR, never removed.
+    log_dir = tempfile.mkdtemp(prefix="pipeserve-torchrun-")
+    try:
+        run.main([f"--nnodes={args.nnodes}", f"--rdzv-backend={BACKEND}", f"--rdzv-conf=rank={args.node_rank}",
+                  f"--rdzv-endpoint={host}:{args.master_port}", f"--log-dir={log_dir}", *rest])
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -184,7 +184,12 @@ class DistributedExecutor:
             elif isinstance(msg, StepResult):
                 self._results[msg.step_id] = msg
             elif isinstance(msg, WorkerError):
-                raise WorkerFailure(f"worker rank {msg.rank} failed: {msg.message}")
+                failed = f"worker rank {msg.rank} failed: {msg.message}"
+                # A rank whose peer died fails in its next collective, often before the engine
+                # has seen the death: name the one that died first.
+                if reason := self._exited():
+                    raise WorkerFailure(f"{reason}; then {failed}")
+                raise WorkerFailure(failed)
         r = self._results.pop(plan.step_id)
         if r.error:
             raise WorkerFailure(f"step {r.step_id} failed on the last stage: {r.error}")

@@ -5,8 +5,9 @@
 The frontend tokenizes (chat templates included), validates every request exactly as the
 engine will, applies admission control and streams what the engine process sends back
 (``runtime.frontend``). Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/v1/requests/{id}/cancel``, ``/health`` and ``/metrics``; with an API key every route but
-``/health`` wants ``Authorization: Bearer <key>``. SIGTERM (or Ctrl-C) stops accepting
+``/v1/requests/{id}/cancel``, ``/health``, ``/metrics`` and ``/openapi.json`` (the request
+bodies' schemas and each route's error statuses); with an API key every route but ``/health``
+wants ``Authorization: Bearer <key>``. SIGTERM (or Ctrl-C) stops accepting
 connections, lets in-flight requests finish, stops the engine and returns 0.
 """
 
@@ -26,23 +27,28 @@ import time
 import uuid
 import dataclasses
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+import pipeserve
 from pipeserve.parallel.transport import ALL_INTERFACES
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine.llm_engine import validate_request
 from pipeserve.runtime.serving.frontend import AsyncEngineClient, Delta, EngineProcess
+from pipeserve.runtime.model import hub
 from pipeserve.runtime.model.loader import read_config_and_tokenizer, resolve_model_path
 from pipeserve.runtime.serving.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    ErrorResponse,
     parse,
 )
 from pipeserve.scheduler.sampling_params import SamplingParams
@@ -455,36 +461,85 @@ class _JobStream(StreamingResponse):
             self._release()
 
 
-def build_app(s: OpenAIServing) -> FastAPI:
-    app = FastAPI(title="pipeserve", docs_url=None, redoc_url=None, openapi_url=None)
+# ---- the OpenAPI document ----------------------------------------------------------------------
 
-    @app.get("/health")
+_DOCUMENTED_MODELS = (CompletionRequest, ChatCompletionRequest, ErrorResponse)
+_ERROR_DESCRIPTIONS = {
+    400: "a bad request (JSON, types, values, a prompt over the context) or a Host header not "
+         "naming this server",
+    401: "missing or wrong API key",
+    404: "no such model, route or request",
+    408: "the body did not arrive within server.body_timeout_s",
+    413: "the body is larger than server.max_body_bytes",
+    415: "a body that is not sent as application/json",
+    429: "over the queue limit; retry after Retry-After seconds",
+    500: "the generation failed (the engine or a worker died), or an internal error",
+    503: "draining (SIGTERM) or the engine is gone",
+}
+
+
+def _errors(*statuses: int) -> dict:
+    # JSON whatever the route's own media type (/metrics answers text/plain).
+    content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    return {status: {"description": _ERROR_DESCRIPTIONS[status], "content": content} for status in statuses}
+
+
+def _json_body(model) -> dict:
+    """``openapi_extra`` of a route that parses its own body (to bound its size and time, and
+    to parse strictly), so FastAPI does not see the model it reads."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def openapi_document(app: FastAPI) -> dict:
+    """FastAPI's document of the routes, plus the schemas of the request bodies (``_json_body``)
+    and of the error body (``_errors``)."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema([(m, "validation") for m in _DOCUMENTED_MODELS],
+                                     ref_template="#/components/schemas/{model}")
+        doc.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def build_app(s: OpenAIServing) -> FastAPI:
+    """The routes. ``/openapi.json`` describes them (as vLLM serves it; no docs pages): the
+    request bodies' schemas and every error status a route can answer."""
+    app = FastAPI(title="pipeserve", version=pipeserve.__version__, docs_url=None, redoc_url=None)
+    app.openapi = partial(openapi_document, app)
+    keyed = (401,) if s.config.api_key is not None else ()
+    stream = {200: {"description": "the response; `text/event-stream` when `stream` is true",
+                    "content": {"text/event-stream": {}}}}
+    generate = stream | _errors(400, *keyed, 404, 408, 413, 415, 429, 500, 503)
+
+    @app.get("/health", responses=_errors(400, 503))
     async def health() -> Response:
         if s.draining or s.client.engine_error is not None:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(400, *keyed))
     async def models() -> Response:
         return JSONResponse({"object": "list", "data": [{
             "id": s.model_name, "object": "model", "created": 0, "owned_by": "pipeserve",
             "max_model_len": s.info["max_model_len"],
         }]})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=_errors(400, *keyed))
     async def metrics() -> Response:
         s.metrics.num_in_flight.set(s.client.num_in_flight)
         return Response(s.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generate, openapi_extra=_json_body(CompletionRequest))
     async def post_completions(request: Request) -> Response:
         return await completions(request, s)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generate, openapi_extra=_json_body(ChatCompletionRequest))
     async def post_chat_completions(request: Request) -> Response:
         return await chat_completions(request, s)
 
-    @app.post("/v1/requests/{response_id}/cancel")
+    @app.post("/v1/requests/{response_id}/cancel", responses=_errors(400, *keyed, 404))
     async def cancel(response_id: str) -> Response:
         if not s.cancel(response_id):
             raise ApiError(404, f"no request {response_id!r} is in flight", param="response_id")
@@ -499,7 +554,9 @@ def build_app(s: OpenAIServing) -> FastAPI:
     async def http_error(_: Request, e: StarletteHTTPException) -> Response:
         s.metrics.on_rejected(e.status_code)
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code)
+        # e.headers: the 405's Allow, which RFC 9110 requires.
+        return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     if s.config.api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=s.config.api_key, on_reject=s.metrics.on_rejected)
@@ -657,9 +714,12 @@ def with_api_key_from_file(config: ServerConfig) -> ServerConfig:
 
 
 def default_model_name(model: str | None) -> str:
+    """The embedded model's name, a hub id for a model given by one (its snapshot folder in
+    the hub cache), else the folder's or file's name."""
     if model is None:
         return "SmolLM2-135M-Instruct"
-    return os.path.basename(os.path.normpath(resolve_model_path(model))).removesuffix(".gguf")
+    path = resolve_model_path(model)
+    return hub.repo_id_of(path) or os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
 
 
 def run(engine_config: EngineConfig, config: ServerConfig) -> int:

@@ -5,6 +5,7 @@ worker processes summing over Gloo. Plain torchrun's store listens on every inte
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -41,9 +42,10 @@ def _free_port() -> int:
 def _launch(tmp_path: Path, *args: str) -> subprocess.Popen:
     script = tmp_path / "worker.py"
     script.write_text(WORKER.format(tests=str(Path(__file__).parents[1])))
+    (tmp_path / "tmp").mkdir(exist_ok=True)
     return subprocess.Popen([sys.executable, "-m", "pipeserve.parallel.torchrun", "--host", "127.0.0.1", *args,
                              "--nproc-per-node", "2", str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, env=dict(os.environ, TMPDIR=str(tmp_path / "tmp")))
 
 
 def _result(proc: subprocess.Popen) -> dict:
@@ -57,6 +59,7 @@ def test_one_node_listens_on_loopback_only(tmp_path):
     assert got["sum"] == 3.0 and got["world"] == 2
     assert got["listening"] and {addr for addr, _ in got["listening"]} == {"127.0.0.1"}
     assert got["gloo"] is not None  # Gloo kept on the loopback interface
+    assert not list((tmp_path / "tmp").iterdir())  # torchrun's log folder went with it
 
 
 def test_two_nodes_meet_at_node_zeros_address(tmp_path):
