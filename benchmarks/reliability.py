@@ -46,7 +46,7 @@ from pathlib import Path
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "server"))
+sys.path[:0] = [str(ROOT / "tests" / "server"), str(ROOT / "tests")]
 
 from helpers_bad_requests import ALL, CHECK_NAMES, error_message, register_hooks, send  # noqa: E402
 from helpers_server import (  # noqa: E402

@@ -49,10 +49,10 @@ def _address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     return ipaddress.ip_address(b"".join(struct.pack(">I", w) for w in words))
 
 
-def listening_sockets(pids: list[int]) -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket these processes listen on; an IPv4-mapped IPv6
-    address is given as its IPv4 address."""
-    inodes, out = _socket_inodes(pids), set()
+def listening_sockets(pids: list[int] | None = None) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket these processes (None: any process) listen on; an
+    IPv4-mapped IPv6 address is given as its IPv4 address."""
+    inodes, out = _socket_inodes(pids or []), set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -61,7 +61,7 @@ def listening_sockets(pids: list[int]) -> set[tuple[str, int]]:
             continue
         for row in rows:
             fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            if fields[3] == "0A" and (pids is None or fields[9] in inodes):  # LISTEN
                 hex_addr, hex_port = fields[1].split(":")
                 addr = _address(hex_addr)
                 if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:

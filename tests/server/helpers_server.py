@@ -20,6 +20,7 @@ import time
 from urllib.parse import urlparse
 
 import openai
+from helpers_net import descendants, listening_sockets  # noqa: F401 (descendants: for the tests)
 
 PIPESERVE = [sys.executable, "-m", "pipeserve.launch.cli"]
 API_KEY = "test-key-0123"
@@ -260,25 +261,6 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
-def descendants(pid: int) -> list[int]:
-    """Every live process below `pid` (children, their children, …)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            parents.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def worker_ranks(pids: list[int]) -> dict[int, int]:
     """{global rank: pid} of the torchrun workers among ``pids`` (their RANK, LOCAL_RANK)."""
     ranks = {}
@@ -294,32 +276,8 @@ def worker_ranks(pids: list[int]) -> dict[int, int]:
 
 
 def listening_ports(pids: list[int] | None = None) -> set[int]:
-    """TCP ports on which these processes (None: any process) listen (their sockets' inodes
-    against /proc/net/tcp*), what `ss -ltnp` shows."""
-    inodes = set()
-    for pid in pids or ():
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes.add(link[len("socket:["):-1])
-        except OSError:
-            continue
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if fields[3] == "0A" and (pids is None or fields[9] in inodes):  # LISTEN
-                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
+    """TCP ports on which these processes (None: any process) listen, what `ss -ltnp` shows."""
+    return {port for _, port in listening_sockets(pids)}
 
 
 def speaks_zeromq(port: int) -> bool:
