@@ -77,8 +77,9 @@ def test_pp2_trace_has_an_engine_lane_and_one_lane_per_stage(bench_pp2_run):
         compute = [e for e in events if e["ph"] == "X" and e["tid"] == tid and e["cat"] == "compute"]
         assert len(compute) == num_steps
         assert all(e["dur"] > 0 and -1e3 <= e["ts"] <= wall_us + 1e6 for e in compute)
-        # on CPU a step's work is done when its host call returns: queued at its end (to a ms)
-        assert all(abs(e["args"]["queued_ms"] - e["dur"] / 1e3) < 1.0 for e in compute)
+        # on CPU a step's work is done when its host call returns: queued no earlier than its end
+        # (how much later depends on the machine's load: not asserted)
+        assert all(e["args"]["queued_ms"] >= e["dur"] / 1e3 - 0.002 for e in compute)
         starts = [e["ts"] for e in compute]
         assert starts == sorted(starts)  # a stage runs micro-batches in order
     compute = [e for e in events if e["ph"] == "X" and e["cat"] == "compute"]

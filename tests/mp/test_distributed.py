@@ -41,7 +41,8 @@ def reference():
 
 @pytest.mark.parametrize(
     "tp, pp, feedback",
-    [(2, 1, True), (1, 2, False), (1, 3, True), (2, 2, True), (1, 4, True)],
+    [(2, 1, True), (1, 2, False), pytest.param(1, 3, True, marks=pytest.mark.slow), (2, 2, True),
+     pytest.param(1, 4, True, marks=pytest.mark.slow)],
     ids=["tp2", "pp2-no-feedback", "pp3", "tp2pp2", "pp4"],
 )
 def test_greedy_tokens_match_single_process(reference, tp, pp, feedback):
@@ -126,7 +127,7 @@ def test_pipelined_chunks_and_decodes():
     assert max(len(r.in_flight) for r in records) == 2
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)], ids=["pp2", "tp2pp2"])
+@pytest.mark.parametrize("tp, pp", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)], ids=["pp2", "tp2pp2"])
 def test_token_feedback_matches_single_process(reference, tp, pp):
     """Token feedback: decodes planned before their input token is back at the engine, the
     last stage handing it to every first-stage rank (two with tp=2) over gloo. Same greedy
