@@ -266,7 +266,9 @@ def analyze(bench: Bench, run: RunData, timelines: list[M.StageTimeline], *, opt
     prompts = [s.prompt_token_ids for s in run.specs.values()]
     if all(p is not None for p in prompts):  # prefix workloads: what an unbounded cache could save
         result["prefill"]["ideal_saved_fraction"] = ideal_cached_fraction(prompts, block_size=bench.config.block_size)
-    result["num_decode_stalls"] = len(M.decode_stalls(records, prompt_lens))
+    par, sch = bench.config.parallel, bench.config.scheduler
+    share_distance = par.feedback_distance if sch.balance_decodes else None
+    result["num_decode_stalls"] = len(M.decode_stalls(records, prompt_lens, decode_share_distance=share_distance))
     result["num_preemptions"] = bench.engine.scheduler.num_preemptions
     device = _device_name(bench.engine.state.device)
     peaks = M.card_peaks(device)

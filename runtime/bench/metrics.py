@@ -358,7 +358,8 @@ def prefill_summary(records: Sequence, prompt_lens: Mapping[str, int], cache) ->
     }
 
 
-def decode_stalls(records: Sequence, prompt_lens: Mapping[str, int]) -> list[tuple[int, str]]:
+def decode_stalls(records: Sequence, prompt_lens: Mapping[str, int], *,
+                  decode_share_distance: int | None = None) -> list[tuple[int, str]]:
     """(step id, request id) for every micro-batch that carried prompt tokens while a request
     in its decode phase was left out though it could have run (its previous token was back).
 
@@ -367,6 +368,12 @@ def decode_stalls(records: Sequence, prompt_lens: Mapping[str, int]) -> list[tup
     (sarathi) this list is empty: decodes go first into every micro-batch. Under vllm every
     whole-prompt batch stalls the ongoing decodes. (Preemption is not modelled: a preempted
     request waiting for readmission would be listed.)
+
+    ``decode_share_distance``: token feedback's decode balancing (``SchedulerConfig.balance_decodes``)
+    at this feedback distance. A micro-batch then takes at most ceil(decoding / distance) decodes
+    whether or not prompts ride along, so one that took at least that many of the requests seen
+    decoding here stalled no one (those seen are a subset of what the scheduler counted: the
+    share checked is never above the one it applied).
     """
     steps = {r.step_id: r for r in records}
     order = sorted(steps)
@@ -386,10 +393,14 @@ def decode_stalls(records: Sequence, prompt_lens: Mapping[str, int]) -> list[tup
         rec = steps[sid]
         if _prefill_tokens(rec, prompt_lens) == 0:
             continue
+        decoding = [rid for rid, done in prompt_done.items() if done < sid < last_decode.get(rid, -1)]
+        if decode_share_distance is not None:
+            share = -(-len(decoding) // decode_share_distance)
+            num_decodes = sum(1 for rid, start, _, _ in rec.seqs if rid in prompt_lens and start >= prompt_lens[rid])
+            if num_decodes >= share:
+                continue
         busy = {rid for other in rec.in_flight if other in steps for rid, _, _, _ in steps[other].seqs}
-        for rid, done in prompt_done.items():
-            if done < sid < last_decode.get(rid, -1) and rid not in busy:
-                stalls.append((sid, rid))
+        stalls.extend((sid, rid) for rid in decoding if rid not in busy)
     return stalls
 
 

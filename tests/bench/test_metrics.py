@@ -105,6 +105,55 @@ def test_decode_stalls_flags_whole_prompt_batches_not_piggybacked_chunks():
     assert summary["max_prefill_tokens_in_step"] == 100 and summary["decode_only_steps"] == 2
 
 
+def test_decode_stalls_with_token_feedback_balancing():
+    """Feedback's decode balancing takes ceil(decoding / distance) decodes per micro-batch, with
+    or without prompts: the decode it leaves out rides the next micro-batch, not a stall. Fewer
+    decodes than that share while one waits is still flagged."""
+    prompt = {"a": 4, "b": 4, "p": 40}
+    steps = [rec(0, [("a", 0, 4, True), ("b", 0, 4, True)]),
+             rec(1, [("a", 4, 1, True), ("p", 0, 20, False)]),  # share 1 of 2 decoding: b waits
+             rec(2, [("b", 4, 1, True), ("p", 20, 20, True)], (1, 2))]
+    assert M.decode_stalls(steps, prompt) == [(1, "b")]
+    assert M.decode_stalls(steps, prompt, decode_share_distance=2) == []
+    starved = [steps[0], rec(1, [("p", 0, 20, False)]), rec(2, [("a", 4, 1, True), ("b", 4, 1, True)], (1, 2))]
+    assert M.decode_stalls(starved, prompt, decode_share_distance=2) == [(1, "a"), (1, "b")]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_sarathi_with_token_feedback_never_stalls_a_decode(seed):
+    """The real scheduler at pp=2 with token feedback (distance 2, three micro-batches in
+    flight) under random arrivals and output lengths, results back in order as in the engine:
+    no micro-batch with prompt tokens leaves out a decode beyond the balancing share."""
+    from collections import deque
+
+    from pipeserve.scheduler import Request, RequestStatus, Scheduler, SchedulerLimits
+
+    rng = random.Random(seed)
+    lens = [rng.randint(2, 96) for _ in range(12)]
+    outs = dict((f"r{i}", rng.randint(1, 12)) for i in range(12))
+    config = SchedulerConfig(policy="sarathi", max_num_batched_tokens=64)
+    sched = Scheduler(config, limits=SchedulerLimits(max_model_len=256, feedback_distance=2), num_blocks=256,
+                      block_size=16, clock=lambda: 0.0)
+    pending = deque(Request(f"r{i}", [1 + (i + j) % 50 for j in range(n)], arrival_time=float(i))
+                    for i, n in enumerate(lens))
+    in_flight: deque = deque()
+    records = []
+    while pending or in_flight or sched.has_unfinished_requests():
+        while pending and (rng.random() < 0.3 or not in_flight and not sched.has_unfinished_requests()):
+            sched.add_request(pending.popleft())
+        while len(in_flight) < 3 and not (plan := sched.schedule()).is_empty:
+            in_flight.append(plan)
+            records.append(StepRecord.of(plan, in_flight))
+        if in_flight:
+            done = in_flight.popleft()
+            sampled = {s.request_id: 7 for s in done.scheduled if s.needs_sample}
+            for r in sched.update(done, sampled):
+                if not r.is_finished and r.num_output_tokens >= outs[r.request_id]:
+                    sched.finish_request(r.request_id, RequestStatus.FINISHED_STOPPED)
+    prompt = {f"r{i}": n for i, n in enumerate(lens)}
+    assert M.decode_stalls(records, prompt, decode_share_distance=2) == []
+
+
 def tiny_hf_param_count(**shape):
     from transformers import LlamaConfig, LlamaForCausalLM
 
