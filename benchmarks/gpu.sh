@@ -7,6 +7,8 @@
 #   prefix    1 GPU    prefix sharing (Mooncake, shared prefix): caching off / on / grouping, against FastGen
 #   sharegpt  1 GPU    1,000 ShareGPT requests, pipeserve against FastGen
 #   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
+#   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
+#   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
@@ -27,7 +29,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling capacity bubbles roofline tpsteps profile"
+SCENARIOS="peers prefix sharegpt scaling async coldstart capacity bubbles roofline tpsteps profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -123,6 +125,24 @@ scaling() {  # ~5 min: six runs of about 45 s (start-up and graph capture includ
     run "scaling-$w-1gpu" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL
     run "scaling-$w-pp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --pp 2
     run "scaling-$w-tp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 2
+  done
+}
+
+async() {  # ~4 min: one GPU and tp=2 with token feedback off; scaling's runs are the default (on)
+  need_gpus 2 || return 0
+  local w
+  for w in uniform decode-heavy; do
+    run "async-$w-1gpu-off" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --token-feedback off
+    run "async-$w-tp2-off" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 2 --token-feedback off
+  done
+}
+
+coldstart() {  # ~3 min: the first work after start-up, with an empty compile cache and then with the one it left
+  local cache=$BASE/coldstart-triton-cache
+  rm -rf "$cache"
+  for c in cold warm; do
+    (export TRITON_CACHE_DIR=$cache
+     run "coldstart-$c" 200 0 python3 "$REPO/benchmarks/throughput.py" --workload peers $TOK_TOOL --no-warmup --rounds 3)
   done
 }
 

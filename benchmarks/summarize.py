@@ -120,6 +120,43 @@ def scaling(folder: str):
     return table(["layout", "workload", "output tok/s", "total tok/s", "total / 1 GPU"], rows), figures
 
 
+def async_(folder: str):
+    """Token feedback (async scheduling) off against scaling's default runs, from one folder
+    holding both scenarios' logs (gpu.sh keeps each scenario's folder: pass scaling's too)."""
+    rows, figures = [], {}
+    scaling_dir = os.path.join(os.path.dirname(folder), "scaling")
+    for workload, label in SCALING_WORKLOADS.items():
+        for layout, name in (("1gpu", "1 GPU"), ("tp2", "tp=2")):
+            off = throughput_result(folder, f"async-{workload}-{layout}-off")
+            on = throughput_result(scaling_dir, f"scaling-{workload}-{layout}")
+            if off is None or on is None:
+                rows.append([name, label, "no result", "", ""])
+                continue
+            gain = f"{on['total_tok_s'] / off['total_tok_s']:.3f}"
+            rows.append([name, label, f"{off['total_tok_s']:,.0f}", f"{on['total_tok_s']:,.0f}", gain])
+            figures[f"{workload}-{layout}"] = {"off": off, "on": on}
+    return table(["layout", "workload", "feedback off tok/s", "on (default) tok/s", "on / off"], rows), figures
+
+
+def coldstart(folder: str):
+    rows, figures = [], {}
+    for cache in ("cold", "warm"):
+        r = throughput_result(folder, f"coldstart-{cache}")
+        if r is None:
+            rows.append([cache, "no result", "", "", ""])
+            continue
+        rounds = r.get("rounds") or []
+        tok = [x["total_tok_s"] for x in rounds]
+        ttft = [x["mean_ttft_s"] for x in rounds]
+        last = tok[-1] if tok else None
+        rows.append([f"{cache} cache", f"{r['start_s']:.1f}", " / ".join(f"{t:,.0f}" for t in tok),
+                     f"{tok[0] / last:.3f}" if last else "-",
+                     " / ".join(ms(t) for t in ttft if t is not None)])
+        figures[cache] = r
+    return table(["compile cache", "start-up s", "rounds' total tok/s", "first / last", "mean TTFT ms per round"],
+                 rows), figures
+
+
 def capacity(folder: str):
     rows, figures = [], {}
     for policy in ("sarathi", "vllm"):
@@ -221,7 +258,8 @@ def profile(folder: str):
         {k: data[k] for k in ("cost_model", "relative_error", "suggested_time_budget_s")}
 
 
-SCENARIOS = {f.__name__: f for f in (peers, prefix, sharegpt, scaling, capacity, bubbles, roofline, tpsteps, profile)}
+SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, async_, coldstart, capacity, bubbles,
+                                                  roofline, tpsteps, profile)}
 
 
 def main(argv=None) -> None:

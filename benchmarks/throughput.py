@@ -65,6 +65,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-layers", type=int, default=32, help="fewer for a quick check")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
+    p.add_argument("--token-feedback", choices=("auto", "on", "off"), default="auto",
+                   help="parallel.token_feedback (auto: the tree's default)")
+    p.add_argument("--rounds", type=int, default=1, help="timed runs of the workload, one after another")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="no untimed round first: the first timed round is the first work after start-up")
     args = p.parse_args(argv)
 
     from pipeserve import LLM, SamplingParams
@@ -75,28 +80,42 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [[rng.randrange(50000) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     folder = model_folder(args.tokenizer, args.num_layers)
+    extra = {} if args.token_feedback == "auto" else {"token_feedback": args.token_feedback == "on"}
     t0 = time.perf_counter()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, max_model_len=4096, tensor_parallel_size=args.tp,
-              pipeline_parallel_size=args.pp)
+              pipeline_parallel_size=args.pp, **extra)
     start_s = time.perf_counter() - t0
+    rounds = []
     try:
-        # One small round first: kernels and allocations that appear only at run time.
-        llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
+        if not args.no_warmup:  # one small round first: kernels and allocations that appear only at run time
+            llm.generate(prompts[:8], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        for _ in range(args.rounds):
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            rounds.append((time.perf_counter() - t0, _mean_ttft(outs)))
     finally:
         llm.close()
         shutil.rmtree(folder, ignore_errors=True)
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
+    wall = rounds[-1][0]
     result = {"workload": args.workload, "tp": args.tp, "pp": args.pp, "requests": num_requests,
               "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
               "output_tok_s": round(out_tokens / wall, 1), "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1),
-              "start_s": round(start_s, 1)}
+              "start_s": round(start_s, 1), "token_feedback": args.token_feedback}
+    if args.rounds > 1 or args.no_warmup:  # each round: total tokens/s and mean TTFT (s; None where not recorded)
+        result["rounds"] = [{"total_tok_s": round((prompt_tokens + out_tokens) / w, 1),
+                             "mean_ttft_s": None if t is None else round(t, 4)} for w, t in rounds]
     print("RESULT " + json.dumps(result), flush=True)
     return result
+
+
+def _mean_ttft(outs) -> float | None:
+    """Mean time from a request's arrival to its first token (the engine's RequestMetrics)."""
+    times = [m.first_token_time - m.arrival_time for o in outs
+             if (m := getattr(o, "metrics", None)) is not None and m.first_token_time is not None]
+    return sum(times) / len(times) if times else None
 
 
 if __name__ == "__main__":

@@ -53,8 +53,20 @@ def torch_ops() -> KernelOps:
     )
 
 
+def compile_cache_dir() -> str:
+    """Where Triton keeps compiled kernels: ``TRITON_CACHE_DIR`` when set, else
+    ``$XDG_CACHE_HOME/pipeserve/triton`` (``~/.cache/pipeserve/triton``), set here for this
+    process and the workers it starts. Every kernel shape the configured budgets can need is
+    compiled at start-up (CUDA-graph capture); a restart loads them from this folder instead."""
+    if not os.environ.get("TRITON_CACHE_DIR"):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(base, "pipeserve", "triton")
+    return os.environ["TRITON_CACHE_DIR"]
+
+
 def triton_ops() -> KernelOps:
     """The Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
+    compile_cache_dir()  # (before the first compile)
     from pipeserve.kernels.kv_cache import write_kv
     from pipeserve.kernels.paged_attention import paged_attention
     from pipeserve.kernels.rms_norm import add_rms_norm

@@ -122,8 +122,8 @@ Beside an uncapped receive 16 layers of Llama-3-8B's products ran 48% slower, ca
 
 def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool = False) -> ParallelContext:
     """The context of this process, creating one TP group per stage (and, with
-    ``token_feedback`` and pp_size > 1, the feedback group; on NCCL its kernels hold at most
-    ``FEEDBACK_MAX_CTAS`` CTAs).
+    ``token_feedback`` and more than one rank, the feedback group: the first stage's ranks and
+    the driver; on NCCL its kernels hold at most ``FEEDBACK_MAX_CTAS`` CTAs).
 
     torch.distributed must already be initialized with world_size == tp_size * pp_size.
     ``dist.new_group`` is collective over the whole world: every rank calls it for every stage's
@@ -145,8 +145,8 @@ def build_parallel_context(tp_size: int, pp_size: int, *, token_feedback: bool =
             if rank in ranks:
                 tp_group = group
     feedback_group = None
-    if token_feedback and pp_size > 1:
-        ranks = [*stage_ranks(0, tp_size), (pp_size - 1) * tp_size]
+    if token_feedback and world_size > 1:  # (pp=1: the driver is in the first stage)
+        ranks = sorted({*stage_ranks(0, tp_size), (pp_size - 1) * tp_size})
         group = dist.new_group(ranks, pg_options=nccl_options(max_ctas=FEEDBACK_MAX_CTAS))
         if rank in ranks:
             feedback_group = group

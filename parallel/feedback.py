@@ -9,6 +9,11 @@ as *fed* (``SeqPlan.feed_step``); the last stage's driver sends each sampling mi
 token ids to every first-stage rank, and the first stage writes them into its input ids on the
 device. The engine's round trip then runs beside the pipeline instead of stalling it.
 
+At pp=1 (on a GPU) the driver is a first-stage rank itself: its own decodes take the ids from
+the sampler's output tensor, handed over in the same process (``FeedbackReceiver`` without a
+source), and with tp > 1 the other ranks of the stage receive them as above. The engine then
+plans micro-batch N + 1 while the device computes N: async scheduling.
+
 Both ends know each message's length from the plans (every rank sees every plan), so only the
 ids travel: one message per micro-batch that samples, in step order, on a communicator of their
 own (``ParallelContext.feedback_group``) so they never queue behind the hidden states. On CUDA
@@ -91,8 +96,11 @@ class FeedbackSender:
     pp + 1 kept the oldest is long matched and the wait returns at once (on CUDA it only orders
     the stream)."""
 
-    def __init__(self, group: dist.ProcessGroup, dsts: list[int], *, pp: int = 2) -> None:
-        self.group, self.dsts = group, dsts
+    def __init__(self, group: dist.ProcessGroup | None, dsts: list[int], *, pp: int = 2,
+                 local: FeedbackReceiver | None = None) -> None:
+        """``dsts``: the first-stage ranks to send to (this one excluded); ``local``: this rank's
+        own receiver when it is a first-stage rank too (pp=1)."""
+        self.group, self.dsts, self.local = group, dsts, local
         self.max_pending = max(self._MAX_PENDING, pp + 2)
         self._pending = _SendQueue(self.max_pending)
         self._cuda = False
@@ -102,7 +110,10 @@ class FeedbackSender:
         A plan that samples nothing sends nothing (the first stage expects nothing of it)."""
         if token_ids.numel() == 0:
             return
-        self._send(token_ids)
+        if self.local is not None:
+            self.local.deliver(token_ids)
+        if self.dsts:
+            self._send(token_ids)
 
     def _send(self, tensor: torch.Tensor) -> None:
         tensor = tensor.contiguous()
@@ -115,6 +126,21 @@ class FeedbackSender:
         self._pending.drain()
         if self._cuda:  # (an NCCL wait only orders the stream)
             torch.cuda.synchronize()
+
+
+class _Delivered:
+    """The completed "receive" of ids handed over in this process."""
+
+    @staticmethod
+    def is_completed() -> bool:
+        return True
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DELIVERED = _Delivered()
 
 
 class FeedPatch:
@@ -138,9 +164,11 @@ class FeedbackReceiver:
     nobody waited for it (gloo reports a receive completed only once waited for; the driver,
     at most the pipeline depth behind, sent it long ago, so the one wait returns at once)."""
 
-    def __init__(self, group: dist.ProcessGroup, src: int, device: torch.device, *, post_lag: int = 1) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, src: int | None, device: torch.device, *,
+                 post_lag: int = 1) -> None:
         """``post_lag``: plans queued after a sampling plan before its receive is posted
-        (``post_due``); pp − 1, so that the receive waits beside no compute."""
+        (``post_due``); pp − 1, so that the receive waits beside no compute. ``src`` None: the
+        driver's own receiver (pp=1), handed each plan's ids by its sender (``deliver``)."""
         if post_lag < 0:
             raise ValueError(f"post_lag must be >= 0, got {post_lag}")
         self.group, self.src, self.device, self.post_lag = group, src, device, post_lag
@@ -181,7 +209,7 @@ class FeedbackReceiver:
                 self._last[s.request_id] = (plan.step_id, num_sampled)
                 num_sampled += 1
         if num_sampled:
-            buffer = torch.empty(num_sampled, dtype=torch.int64, device=self.device)
+            buffer = None if self.src is None else torch.empty(num_sampled, dtype=torch.int64, device=self.device)
             self._expected.append((plan.step_id, buffer, self._num_plans))
         self._num_plans += 1
         if self._num_plans % self._PRUNE_EVERY == 0:
@@ -191,7 +219,7 @@ class FeedbackReceiver:
     @property
     def unposted(self) -> bool:
         """Whether some sampling plan's receive is not posted yet."""
-        return bool(self._expected)
+        return self.src is not None and bool(self._expected)
 
     def post_due(self) -> None:
         """Posts the receives that are due: those of sampling plans taken ``post_lag`` or more
@@ -223,8 +251,18 @@ class FeedbackReceiver:
             parts.append((tokens, index))
         return FeedPatch(parts)
 
+    def deliver(self, token_ids: torch.Tensor) -> None:
+        """The driver's own receiver (pp=1): the ids its sampler just made, for the oldest
+        sampling plan taken (plans sample in order, each once). The tensor is the sampler's
+        output, which nothing writes again: the patch reads it on the same stream."""
+        step, _, _ = self._expected.popleft()
+        self._received[step] = (_DELIVERED, token_ids)
+        self._waited.add(step)
+
     def _receive_until(self, step_id: int) -> None:
         """Posts the receives of every sampling step up to ``step_id``, in order."""
+        if self.src is None:  # delivered by this rank's sender, plan by plan
+            return
         while self._expected and self._expected[0][0] <= step_id:
             step, buffer, _ = self._expected.popleft()  # (no allocation here: see __init__)
             self._received[step] = (dist.irecv(buffer, src=self.src, group=self.group), buffer)

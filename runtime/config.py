@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -28,13 +28,19 @@ class ParallelConfig:
     """Pipeline stages."""
     num_microbatches_in_flight: int | None = None
     """Micro-batches in the pipeline at once; None = pp, or pp + 1 with token feedback."""
-    token_feedback: bool = True
-    """pp > 1: the last stage hands each sampled token to the first stage on the device, so a
-    request's next decode is planned before its result reaches the engine and the stages do
-    not wait for the engine's round trip (``parallel/feedback.py``). A request still decodes
-    at most once per ``pp`` micro-batches. A request that stops (EOS, a stop string) may have
-    one decode more computed and dropped. At pp=2 on 2 × H200 it took sarathi's bubbles while
-    loaded from 17.6% / 23.4% to 12.3% / 14.7% per stage, and orca's from 56% to 30–40%."""
+    token_feedback: bool | None = None
+    """The device hands each sampled token to the next micro-batch that decodes it, so a
+    request's next decode is planned before its result reaches the engine
+    (``parallel/feedback.py``). pp > 1: the last stage sends it to the first, and the stages do
+    not wait for the engine's round trip; at pp=2 on 2 × H200 it took sarathi's bubbles while
+    loaded from 17.6% / 23.4% to 12.3% / 14.7% per stage, and orca's from 56% to 30–40%. pp=1
+    on a GPU: the engine plans and submits micro-batch N + 1 while the device computes N, which
+    then takes N's ids from its own memory (the host's scheduling, input copies and launches
+    overlap the device instead of following it). A request still decodes at most once per
+    ``pp`` micro-batches; one that stops (EOS, a stop string) may have one decode more computed
+    and dropped. None (default): on where it overlaps something, pp > 1 or a GPU (at pp=1 on
+    the CPU the worker runs in the engine's thread: nothing to overlap); the engine resolves
+    it (``EngineConfig``)."""
     stage_layers: list[int] | None = None
     """Layers per stage, overriding the cost-balanced plan (whole layers; must sum to the
     model's layers)."""
@@ -72,8 +78,9 @@ class ParallelConfig:
 
     @property
     def feedback(self) -> bool:
-        """Token feedback is on (asked for, and there is a pipeline)."""
-        return self.token_feedback and self.pp > 1
+        """Token feedback is on: asked for, or left to the default where there is a pipeline
+        (``EngineConfig`` also turns it on at pp=1 on a GPU)."""
+        return self.pp > 1 if self.token_feedback is None else self.token_feedback
 
     @property
     def feedback_distance(self) -> int | None:
@@ -168,6 +175,9 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_batch must be >= 0, got {self.cuda_graph_max_batch}")
         if self.cuda_graph_max_tokens < 0:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0, got {self.cuda_graph_max_tokens}")
+        if self.parallel.token_feedback is None and self.parallel.pp == 1:  # (see ParallelConfig.token_feedback)
+            on_gpu = self.device != "cpu" and self.torch_device().type != "cpu"
+            object.__setattr__(self, "parallel", replace(self.parallel, token_feedback=on_gpu))
 
     @property
     def effective_reduction_splits(self) -> int:

@@ -21,7 +21,7 @@ from pipeserve.parallel.auth import RunKey
 from pipeserve.parallel.torchrun import LOOPBACK
 from pipeserve.parallel.transport import EngineChannel, TransportConfig, TransportError
 from pipeserve.parallel.wire import BlockTableDiffer, SeqPlan, Shutdown, StepPlan, StepResult, WorkerError
-from pipeserve.runtime.worker.worker import STAGE_STATS_DIR_ENV, write_timelines
+from pipeserve.runtime.worker.worker import STAGE_STATS_DIR_ENV, PendingResult, arrived, write_timelines
 from pipeserve.scheduler import SamplingParams, SchedulerOutput
 
 class WorkerFailure(RuntimeError):
@@ -95,23 +95,24 @@ class PlanBuilder:
 
 class InProcessExecutor:
     """One device: the ``Worker`` a torchrun rank runs, in this process, as a group of one.
-    Each plan runs when submitted."""
+    Each plan is queued on the device when submitted. With token feedback (a GPU) the worker
+    leaves the sampled ids on the device and the next plan is submitted before they are read
+    back: ``result`` waits for them while the device computes that next plan."""
 
-    max_in_flight = 1
-
-    def __init__(self, worker) -> None:
+    def __init__(self, worker, *, depth: int = 1) -> None:
         self.worker = worker
+        self.max_in_flight = depth
         self.num_kv_blocks = worker.num_kv_blocks
         self._plans = PlanBuilder()
-        self._done: dict[int, StepResult] = {}
+        self._done: dict[int, StepResult | PendingResult] = {}
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
         result = self.worker.execute(self._plans.build(plan, samples))
-        assert isinstance(result, StepResult), "a group of one samples on the host"
+        assert result is not None, "a group of one samples every plan"
         self._done[plan.step_id] = result
 
     def result(self, plan: SchedulerOutput) -> Sampled:
-        return Sampled.of(self._done.pop(plan.step_id))
+        return Sampled.of(arrived(self._done.pop(plan.step_id)))
 
     def stage_busy_seconds(self) -> list[float]:
         """The one stage's compute time so far (the worker's ``BusyTimer``)."""

@@ -40,7 +40,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         num_microbatches_in_flight: int | None = None,
-        token_feedback: bool = True,
+        token_feedback: bool | None = None,
         enable_prefix_caching: bool = False,
         prefix_grouping: bool = False,
         kernel_backend: str = "auto",

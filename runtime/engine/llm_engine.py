@@ -113,7 +113,7 @@ class LLMEngine:
             worker = Worker(config, ParallelContext.single(), device, loaded=loaded)
             model_config, self.tokenizer = worker.model_config, worker.tokenizer
             self.stage_layers, max_model_len = _check_layout(config, model_config)
-            self.executor = InProcessExecutor(worker)
+            self.executor = InProcessExecutor(worker, depth=par.depth)
         else:
             model_config, self.tokenizer, _ = read_config_and_tokenizer(config.model)
             self.stage_layers, max_model_len = _check_layout(config, model_config)  # before any worker starts

@@ -107,12 +107,17 @@ class Worker:
         self.busy = BusyTimer(device, record=record)
         self.feedback_sender: FeedbackSender | None = None
         self.feedback_receiver: FeedbackReceiver | None = None
-        if (group := ctx.feedback_group) is not None:
-            first = stage_ranks(0, ctx.tp_size)
-            warm_up(group, src=ctx.driver_rank, dsts=first, rank=ctx.rank, device=device)
+        if config.parallel.feedback:
+            # The driver sends each step's sampled ids to the first stage's other ranks; at pp=1
+            # it is one of them and hands its own over in this process (parallel/feedback.py).
+            others = [r for r in stage_ranks(0, ctx.tp_size) if r != ctx.driver_rank]
+            if (group := ctx.feedback_group) is not None:
+                warm_up(group, src=ctx.driver_rank, dsts=others, rank=ctx.rank, device=device)
             if ctx.is_driver:
-                self.feedback_sender = FeedbackSender(group, first, pp=ctx.pp_size)
-            else:
+                local = FeedbackReceiver(None, None, device, post_lag=0) if ctx.is_first_stage else None
+                self.feedback_sender = FeedbackSender(group, others, pp=ctx.pp_size, local=local)
+                self.feedback_receiver = local
+            elif ctx.is_first_stage:
                 self.feedback_receiver = FeedbackReceiver(group, ctx.driver_rank, device, post_lag=ctx.pp_size - 1)
         progress.info("ready in %.1f s", time.perf_counter() - start)
 
@@ -221,7 +226,7 @@ class Worker:
     # ---- one micro-batch ---------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult | _PendingResult | None:
+    def execute(self, plan: StepPlan) -> StepResult | PendingResult | None:
         for rid in plan.freed:
             self._generators.pop(rid, None)
         receiver = self.feedback_receiver
@@ -246,6 +251,8 @@ class Worker:
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
         if not self.ctx.is_driver:
             self.busy.end(plan.step_id)
+            if receiver is not None:  # pp=1, tp > 1: this rank is a first-stage one too
+                receiver.post_due()
             return None
         return self._sample(plan, logits, time.perf_counter() - t0)  # (ends the busy span)
 
@@ -265,7 +272,7 @@ class Worker:
             self._pending_send[0].wait()
             self._pending_send = None
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult | _PendingResult:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult | PendingResult:
         seqs = [s for s in plan.seqs if s.needs_sample]
         if not seqs:  # prompt chunks only: nothing to sample, feed or wait for
             self.busy.end(plan.step_id)
@@ -286,7 +293,7 @@ class Worker:
         out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
                            eos_token_ids=self.eos_token_ids, on_sampled=on_sampled, to_host=not defer)
         if out.token_ids.device.type != "cpu":
-            return _PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds)
+            return PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds)
         logprobs = None
         if out.logprobs is not None and any(lp is not None for lp in out.logprobs):
             logprobs = [lp or {} for lp in out.logprobs]
@@ -326,9 +333,9 @@ class Worker:
 
     def serve(self, channel: WorkerChannel) -> None:
         """Runs plans in order until Shutdown; exits if the engine goes silent. Results whose
-        ids are still on their way from the device (``_PendingResult``) go out as soon as they
+        ids are still on their way from the device (``PendingResult``) go out as soon as they
         are here, and before this rank waits for a plan (the engine matches results by step)."""
-        pending: deque[_PendingResult | StepResult] = deque()  # in step order
+        pending: deque[PendingResult | StepResult] = deque()  # in step order
         receiver = self.feedback_receiver
         profile_dir = os.environ.get(PROFILE_ENV)
         profiler = cProfile.Profile() if profile_dir else None
@@ -341,7 +348,7 @@ class Worker:
                 if receiver is not None and receiver.unposted:
                     receiver.post()  # no plan to wait beside any more (feedback.py)
                 if pending:
-                    channel.send(_arrived(pending.popleft()))
+                    channel.send(arrived(pending.popleft()))
                     continue
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
@@ -349,7 +356,7 @@ class Worker:
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
                 while pending:
-                    channel.send(_arrived(pending.popleft()))
+                    channel.send(arrived(pending.popleft()))
                 self.shutdown()
                 if profiler is not None:
                     _write_profile(profiler, profile_dir, self.ctx.rank)
@@ -362,7 +369,7 @@ class Worker:
             if result is not None:
                 pending.append(result)
             while pending and (isinstance(pending[0], StepResult) or pending[0].ready()):
-                channel.send(_arrived(pending.popleft()))
+                channel.send(arrived(pending.popleft()))
 
 
 def _write_profile(profiler: cProfile.Profile, folder: str, rank: int, top: int = 40) -> None:
@@ -374,7 +381,7 @@ def _write_profile(profiler: cProfile.Profile, folder: str, rank: int, top: int 
         f.write(out.getvalue())
 
 
-class _PendingResult:
+class PendingResult:
     """A step's sampled ids on their way to pinned host memory (the driver, token feedback)."""
 
     def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float) -> None:
@@ -394,9 +401,9 @@ class _PendingResult:
                           stage_times=[self.seconds])
 
 
-def _arrived(item: _PendingResult | StepResult) -> StepResult:
+def arrived(item: PendingResult | StepResult) -> StepResult:
     """The result to send, once its ids are on the host."""
-    return item.result() if isinstance(item, _PendingResult) else item
+    return item.result() if isinstance(item, PendingResult) else item
 
 
 class BusyTimer:

@@ -433,7 +433,7 @@ def tiny_folder(tmp_path) -> str:
 
 
 def generate_greedy(folder: str, *, device: str, graphs: bool, tp: int = 1, pp: int = 1,
-                    token_feedback: bool = False):
+                    token_feedback: bool | None = False):
     """Greedy token ids of 24 prompts of varied lengths and output lengths, so the decode
     batch shrinks through many (padded) bucket sizes and prompts are chunked beside decodes
     (mixed buckets); also the runner's replay counts (all, mixed), None without a runner."""
@@ -466,8 +466,10 @@ def test_cpu_engine_runs_without_graphs(tiny_folder):
 @pytest.mark.gpu
 @cuda
 def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
+    """Eager and synchronous against graphs with the default token feedback (async
+    scheduling: the next plan is submitted before the ids are read back)."""
     eager, none = generate_greedy(tiny_folder, device="cuda", graphs=False)
-    graphed, (replays, mixed) = generate_greedy(tiny_folder, device="cuda", graphs=True)
+    graphed, (replays, mixed) = generate_greedy(tiny_folder, device="cuda", graphs=True, token_feedback=None)
     assert none is None and replays > 20 and 0 < mixed < replays
     assert graphed == eager
 
@@ -475,8 +477,8 @@ def test_gpu_engine_greedy_same_with_and_without_graphs(tiny_folder):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("tp, pp, feedback", [(2, 1, False), (1, 2, False), (1, 2, True)],
-                         ids=["tp2", "pp2", "pp2-feedback"])
+@pytest.mark.parametrize("tp, pp, feedback", [(2, 1, False), (2, 1, True), (1, 2, False), (1, 2, True)],
+                         ids=["tp2", "tp2-feedback", "pp2", "pp2-feedback"])
 def test_gpu_distributed_greedy_same_with_graphs(tiny_folder, tp, pp, feedback):
     """Workers capture per stage (TP: all-reduces inside the graph; PP: send/recv outside;
     token feedback: NCCL ids from the last stage patched into the static input ids before a

@@ -127,12 +127,15 @@ def test_pipelined_chunks_and_decodes():
     assert max(len(r.in_flight) for r in records) == 2
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)], ids=["pp2", "tp2pp2"])
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 1), (2, 1), pytest.param(2, 2, marks=pytest.mark.slow)],
+                         ids=["pp2", "one", "tp2", "tp2pp2"])
 def test_token_feedback_matches_single_process(reference, tp, pp):
     """Token feedback: decodes planned before their input token is back at the engine, the
     last stage handing it to every first-stage rank (two with tp=2) over gloo. Same greedy
     tokens; fed decodes really happened (a request sampling in two micro-batches in flight at
-    once, ``pp`` steps apart, the later one continuing where the earlier ends)."""
+    once, ``pp`` steps apart, the later one continuing where the earlier ends). At pp=1 (on by
+    default on a GPU, asked for here on the CPU) the driver feeds its own next plan in its
+    process, and with tp=2 the other rank over gloo: the engine's async scheduling."""
     from pipeserve.runtime.config import EngineConfig, ParallelConfig
     from pipeserve.scheduler import SchedulerConfig
 
