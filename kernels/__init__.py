@@ -7,7 +7,7 @@ the torch references (CPU, tests, parity with transformers) or the Triton kernel
     rope(q, k, cos, sin) -> (q, k)               # q: [T, h, d]; k: [T, kvh, d]; cos, sin: [T, d]
     silu_mul(gate_up) -> out                      # gate_up: [T, 2I] -> [T, I]
     write_kv(k, v, kv_cache, slot_mapping) -> None
-    paged_attention(q, kv_cache, meta, scale) -> out    # [T, h, d]
+    paged_attention(q, kv_cache, meta, scale, *, sliding_window=None, softcap=None) -> out  # [T, h, d]
     matmul(x, w, out_dtype) -> x @ w.T, or None     # None: the layers' F.linear (cuBLAS)
 
 ``kernel_ops(backend, device)`` picks the table: ``torch``, ``triton``, or ``auto`` (Triton on

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from pipeserve.kernels.attention_metadata import AttentionMetadata
-from pipeserve.kernels.attention_tiles import LOG2E, attend_keys
+from pipeserve.kernels.attention_tiles import attend_keys, head_dim_block, score_args
 from pipeserve.kernels.paged_decode import decode_splits, paged_decode
 
 @triton.jit
@@ -46,6 +46,8 @@ def _paged_attention_kernel(
     query_start_ptr,
     work_ptr,
     qk_scale,
+    softcap,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -56,6 +58,7 @@ def _paged_attention_kernel(
     stride_bt,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -63,6 +66,8 @@ def _paged_attention_kernel(
     WORK_LIST: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     kv_head = tl.program_id(2)
     if WORK_LIST:  # program i runs work item i: (sequence, M tile), or (-1, 0) for none
@@ -89,11 +94,12 @@ def _paged_attention_kernel(
     q_idx = rows // G  # query within the sequence
     heads = kv_head * G + rows % G
     q_pos = ctx_len + q_idx  # absolute position of each row's query
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
+    io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]  # [BLOCK_M, BLOCK_D]
     q_rows = (q_start + q_idx).to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_M]
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=io_mask, other=0.0)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -108,9 +114,14 @@ def _paged_attention_kernel(
     # takes depends on the chunk's start and the tile's rows, not on the token alone.
     full_end = (ctx_len + first_q + 1) // BLOCK_N * BLOCK_N * UNMASKED_TILES  # >= 0
     kv_end = ctx_len + last_q + 1  # <= seq_len
+    start = 0
+    if WINDOW:  # from the tile holding the first row's oldest visible key, every tile masked
+        start = tl.maximum(ctx_len + first_q - window + 1, 0) // BLOCK_N * BLOCK_N
+        full_end = start
     acc, m_i, l_i = attend_keys(
-        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, 0, full_end, kv_end,
-        seq_len, q_pos, qk_scale, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start, full_end, kv_end,
+        seq_len, q_pos, qk_scale, softcap, window, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+        BLOCK_D, DOT_PRECISION, SOFTCAP, WINDOW,
     )  # fmt: skip
 
     # A row with no visible key (a padded row with seq_len 0) has l = 0 and acc = 0: output 0.
@@ -119,7 +130,7 @@ def _paged_attention_kernel(
     tl.store(
         out_ptr + o_rows[:, None] + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=row_valid[:, None],
+        mask=io_mask,
     )
 
 
@@ -169,14 +180,19 @@ def paged_attention(
     *,
     batch_invariant: bool = False,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context; returns [T, h, d].
 
-    The new tokens' K/V must already be in ``kv_cache`` (``write_kv`` first).
+    The new tokens' K/V must already be in ``kv_cache`` (``write_kv`` first). A
+    ``sliding_window`` W hides keys older than the window (a query at p sees ``p - W < k <=
+    p``); ``softcap`` c maps each scaled score s to ``c * tanh(s / c)`` (Gemma's options, as
+    the torch reference).
 
     Contract (asserted): q is ``[T, h, d]`` with unit stride on d; ``kv_cache`` is a contiguous
     ``[2, num_blocks, block_size, kvh, d]`` of q's dtype (fp16, bf16 or fp32); h % kvh == 0;
-    d is a power of two >= 16; ``meta.seq_lens`` [S], ``meta.query_start_loc`` [S+1] and
+    any d (one that is not a power of two >= 16 is padded to one inside the kernel); ``meta.seq_lens`` [S], ``meta.query_start_loc`` [S+1] and
     ``meta.block_tables`` [S, max_blocks] are int32 on q's device. Every sequence has
     q_len >= 1 and q_len <= seq_len, except padding: a sequence with seq_len 0 (a padded
     decode row, q_len 1, or a mixed graph's padding tokens, any q_len) reads nothing and
@@ -202,7 +218,8 @@ def paged_attention(
     its prompt's chunks started and however many query heads share its KV head (``tile_config``:
     one tile shape, one code path; a row's arithmetic never depends on the other rows of its
     tile; keys are walked BLOCK_N at a time from position 0, and fully masked tiles change
-    nothing).
+    nothing; with a window, the walk starts at a tile edge before the window, every tile it
+    skips fully masked).
     """
     # q: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
     T, h, d = q.shape
@@ -210,7 +227,6 @@ def paged_attention(
     assert kv_cache.is_contiguous(), "kv_cache must be contiguous"
     _, _, block_size, kvh, d_cache = kv_cache.shape
     assert d_cache == d and h % kvh == 0, (q.shape, kv_cache.shape)
-    assert d >= 16 and d & (d - 1) == 0, f"head_dim must be a power of two >= 16, got {d}"
     assert block_size == meta.block_size, (block_size, meta.block_size)
     assert q.stride(2) == 1, "q's last dim must be contiguous"
     assert q.dtype == kv_cache.dtype, (q.dtype, kv_cache.dtype)
@@ -221,6 +237,9 @@ def paged_attention(
     for t in (meta.seq_lens, meta.query_start_loc, meta.block_tables):
         assert t.dtype == torch.int32 and t.device == q.device, (t.dtype, t.device)
     assert meta.block_tables.stride(1) == 1, "block_tables rows must be contiguous"
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+    assert softcap is None or softcap > 0, softcap
+    options = dict(sliding_window=sliding_window, softcap=softcap)
 
     out = torch.empty((T, h, d), dtype=q.dtype, device=q.device)  # [T, h, d]
     if T == 0 or num_seqs == 0:
@@ -234,7 +253,7 @@ def paged_attention(
     if decode_only and not batch_invariant:
         splits = decode_splits(num_seqs, kvh, q.device) if num_splits is None else num_splits
         if splits > 1:
-            return paged_decode(q, kv_cache, meta, scale, out=out, num_splits=splits, block_m=block_m)
+            return paged_decode(q, kv_cache, meta, scale, out=out, num_splits=splits, block_m=block_m, **options)
     block_n, num_warps = 64, 4
     if work is not None:
         assert meta.work_block_m == block_m, f"work list made for {meta.work_block_m}-row tiles, not {block_m}"
@@ -252,7 +271,7 @@ def paged_attention(
         meta.seq_lens,
         meta.query_start_loc,
         meta.seq_lens if work is None else work,  # (not read without a work list)
-        scale * LOG2E,
+        *score_args(scale, softcap, sliding_window),
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -263,6 +282,7 @@ def paged_attention(
         meta.block_tables.stride(0),
         G=g,
         HEAD_DIM=d,
+        BLOCK_D=head_dim_block(d),
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
@@ -270,6 +290,8 @@ def paged_attention(
         WORK_LIST=work is not None,
         UNMASKED_TILES=unmasked_tiles,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap is not None,
+        WINDOW=sliding_window is not None,
         num_warps=num_warps,
         num_stages=3,  # with 16-divisible strides the K/V gathers become cp.async pipelines
     )

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from pipeserve.kernels.attention_metadata import AttentionMetadata
-from pipeserve.kernels.attention_tiles import LOG2E, attend_keys
+from pipeserve.kernels.attention_tiles import attend_keys, head_dim_block, score_args
 
 MAX_SPLITS = 16
 
@@ -42,6 +42,8 @@ def _split_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     qk_scale,
+    softcap,
+    window,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -51,43 +53,53 @@ def _split_kernel(
     NUM_HEADS: tl.constexpr,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     seq = tl.program_id(0)
     split = tl.program_id(1)
     kv_head = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    lo = 0
+    if WINDOW:  # the ranges cover the window only, from the tile holding its oldest key
+        lo = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N
     # Whole key tiles per range, so that only the range holding the context's end is masked.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * per_split
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
     end = tl.minimum(start + per_split, seq_len)
     full_end = tl.maximum(tl.minimum(end, seq_len // BLOCK_N * BLOCK_N), start)
+    if WINDOW:  # every tile masked (attention_tiles)
+        full_end = start
 
     rows = tl.arange(0, BLOCK_M)  # [BLOCK_M]: the G query heads of this KV head, then padding
     row_valid = rows < G
     heads = kv_head * G + tl.where(row_valid, rows, 0)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
+    io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]  # [BLOCK_M, BLOCK_D]
     q_rows = seq.to(tl.int64) * stride_qt + heads * stride_qh  # [BLOCK_M]
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=io_mask, other=0.0)
     q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + seq_len - 1  # every key < seq_len is visible
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_head_off = kv_head.to(tl.int64) * stride_kh
     acc, m_i, l_i = attend_keys(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head_off, start, full_end, end,
-        seq_len, q_pos, qk_scale, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, HEAD_DIM, DOT_PRECISION,
+        seq_len, q_pos, qk_scale, softcap, window, stride_kb, stride_ks, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+        BLOCK_D, DOT_PRECISION, SOFTCAP, WINDOW,
     )  # fmt: skip
 
     # partials: acc [S, NUM_SPLITS, NUM_HEADS, HEAD_DIM], ml [2, S, NUM_SPLITS, NUM_HEADS]
     part = (seq * NUM_SPLITS + split).to(tl.int64) * NUM_HEADS + heads  # [BLOCK_M]
-    tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+    tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=io_mask)
     tl.store(ml_ptr + part, m_i, mask=row_valid)
     tl.store(ml_ptr + tl.num_programs(0) * NUM_SPLITS * NUM_HEADS + part, l_i, mask=row_valid)
 
@@ -101,24 +113,26 @@ def _combine_kernel(
     stride_oh,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, NUM_SPLITS)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, BLOCK_D)  # head_dim padded to a power of two
+    col_ok = dims < HEAD_DIM
     part = (seq * NUM_SPLITS + splits).to(tl.int64) * NUM_HEADS + head  # [NUM_SPLITS]
     m = tl.load(ml_ptr + part)
     l_part = tl.load(ml_ptr + tl.num_programs(0) * NUM_SPLITS * NUM_HEADS + part)
-    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :])  # [NUM_SPLITS, HEAD_DIM]
+    acc = tl.load(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], mask=col_ok[None, :], other=0.0)
     m_max = tl.max(m, 0)
     # Empty ranges (m = -inf) weigh 0; a padded row (seq_len 0) has no range at all: output 0.
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.exp2(m - m_safe)  # [NUM_SPLITS]
     l_sum = tl.sum(w * l_part, 0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0.0, 1.0, l_sum)  # [HEAD_DIM]
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(l_sum == 0.0, 1.0, l_sum)  # [BLOCK_D]
     o = seq.to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(out_ptr + o + dims, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + o + dims, out.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @functools.cache
@@ -157,11 +171,14 @@ def paged_decode(
     out: torch.Tensor,
     num_splits: int,
     block_m: int,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of a decode-only batch (``q`` [S, h, d], one token per sequence), each context
     cut into ``num_splits`` ranges, into ``out`` [S, h, d] (returned). ``paged_attention``
     checks the contract and calls this; ``block_m`` rows per program hold a KV head's query
-    heads."""
+    heads. With a ``sliding_window`` the ranges cut the window, not the whole context."""
+
     S, h, d = q.shape
     _, _, block_size, kvh, _ = kv_cache.shape
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, num_splits
@@ -173,14 +190,18 @@ def paged_decode(
     acc = torch.empty((S, num_splits, h, d), dtype=torch.float32, device=q.device)
     ml = torch.empty((2, S, num_splits, h), dtype=torch.float32, device=q.device)  # max, sum (log2)
     _split_kernel[(S, num_splits, kvh)](
-        acc, ml, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens, scale * LOG2E,
+        acc, ml, q, kv_cache[0], kv_cache[1], meta.block_tables, meta.seq_lens,
+        *score_args(scale, softcap, sliding_window),
         q.stride(0), q.stride(1), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         meta.block_tables.stride(0),
-        NUM_HEADS=h, G=g, HEAD_DIM=d, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=64,
+        NUM_HEADS=h, G=g, HEAD_DIM=d, BLOCK_D=head_dim_block(d), BLOCK_SIZE=block_size, BLOCK_M=block_m,
+        BLOCK_N=64,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=softcap is not None, WINDOW=sliding_window is not None,
         num_warps=4, num_stages=3,
     )  # fmt: skip
     _combine_kernel[(S, h)](
-        out, acc, ml, out.stride(0), out.stride(1), NUM_HEADS=h, HEAD_DIM=d, NUM_SPLITS=num_splits, num_warps=4,
+        out, acc, ml, out.stride(0), out.stride(1), NUM_HEADS=h, HEAD_DIM=d, BLOCK_D=head_dim_block(d),
+        NUM_SPLITS=num_splits, num_warps=4,
     )  # fmt: skip
     return out

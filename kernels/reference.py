@@ -8,7 +8,10 @@ A batch packs T new tokens from S sequences (see ``AttentionMetadata``). Sequenc
 ``q_len`` queries are the LAST q_len positions of its ``seq_len``-long context: query j sits at
 absolute position ``seq_len - q_len + j`` and attends to every position <= that (its cached
 prefix plus the causal part of its own chunk). Heads are grouped (GQA): query head h reads
-KV head ``h // (num_heads // num_kv_heads)``, as in HF's ``repeat_kv``.
+KV head ``h // (num_heads // num_kv_heads)``, as in HF's ``repeat_kv``. Two options of a layer
+(Gemma's): ``sliding_window`` W hides keys older than the window (query at position p sees
+``p - W < k <= p``), and ``softcap`` c maps each scaled score s to ``c * tanh(s / c)`` before the
+softmax.
 
 ``pipeserve.kernels.paged_attention`` is the Triton kernel with the same signature. Here,
 decodes (q_len == 1) run together as one padded, masked batch; prefill chunks run one sequence
@@ -73,6 +76,12 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate) * up with GELU's tanh approximation (Gemma's GeGLU): [T, 2I] -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each
+    return F.gelu(gate, approximate="tanh") * up
+
+
 # cuDNN's SDPA builds an execution plan for every new shape, and every prefill chunk has a new
 # shape: on an H200 that cost ~1.3 ms of host time per call (measured with torch.profiler). The
 # flash / memory-efficient kernels have no per-shape plan.
@@ -91,7 +100,13 @@ def write_kv(
 
 
 def paged_attention(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its sequence's cached context; returns [T, h, d].
 
@@ -106,13 +121,14 @@ def paged_attention(
     backends = sdpa_kernel(_GPU_BACKENDS) if q.is_cuda else contextlib.nullcontext()
     with backends:
         if decodes:
-            _decode_batch(q, kv_cache, meta, decodes, scale, out)
+            _decode_batch(q, kv_cache, meta, decodes, scale, out, sliding_window, softcap)
         for i, q_len in enumerate(q_lens):
             if q_len > 1:
                 start, end = starts[i], starts[i + 1]
                 out[start:end] = _prefill_one(
-                    q[start:end], kv_cache, meta.block_tables[i], seq_lens[i], meta.block_size, scale
-                )
+                    q[start:end], kv_cache, meta.block_tables[i], seq_lens[i], meta.block_size, scale,
+                    sliding_window, softcap,
+                )  # fmt: skip
     return out
 
 
@@ -123,6 +139,8 @@ def _decode_batch(
     decodes: list[int],
     scale: float,
     out: torch.Tensor,
+    sliding_window: int | None,
+    softcap: float | None,
 ) -> None:
     """All single-token sequences at once: gather their blocks, pad to the longest, mask."""
     first, n = decodes[0], len(decodes)
@@ -141,6 +159,8 @@ def _decode_batch(
         meta.seq_lens[seq_idx],
         max_seq_len,
         scale,
+        sliding_window,
+        softcap,
     )
 
 
@@ -151,6 +171,8 @@ def _decode_attention(
     seq_lens: torch.Tensor,
     max_seq_len: int,
     scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     # q: [S, h, d]; block_tables: [S, max_blocks]; seq_lens: [S]
     S, h, d = q.shape
@@ -166,7 +188,9 @@ def _decode_attention(
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # [S, kvh, L, d] each
     positions = torch.arange(L, device=q.device)  # [L]
     valid = positions[None, :] < seq_lens[:, None]  # [S, L], False past each context
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    if sliding_window is not None:  # the query sits at seq_len - 1
+        valid &= positions[None, :] >= seq_lens[:, None] - sliding_window
+    o = _attention(qg, k, v, valid[:, None, None, :], scale, softcap)
     return o.reshape(S, h, d)  # [S, kvh, g, d] -> [S, h, d]
 
 
@@ -177,6 +201,8 @@ def _prefill_one(
     seq_len: int,
     block_size: int,
     scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """One sequence's chunk of q_len > 1 queries over its seq_len-long context."""
     # q: [q_len, h, d]; block_table: [max_blocks]
@@ -187,24 +213,53 @@ def _prefill_one(
     v = kv_cache[1][blocks].view(-1, kvh, d)[:seq_len]  # [seq_len, kvh, d]
     k = k.transpose(0, 1).unsqueeze(0)  # [1, kvh, seq_len, d]
     v = v.transpose(0, 1).unsqueeze(0)  # [1, kvh, seq_len, d]
-    if q_len == seq_len:  # whole prompt: plain causal, any SDPA backend applies
+    windowed = sliding_window is not None and sliding_window < seq_len
+    if q_len == seq_len and not windowed and softcap is None:  # plain causal: any SDPA backend
         qh = q.transpose(0, 1).unsqueeze(0)  # [1, h, q_len, d]
         o = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)  # [q_len, h, d]
-    # Chunk over a cached prefix: SDPA's is_causal aligns top-left, we need bottom-right, so
-    # pass the mask. Fold each KV head's query group into the rows (no K/V repeat needed).
+    # A chunk over a cached prefix (SDPA's is_causal aligns top-left, we need bottom-right), a
+    # window or a cap: pass the mask. Fold each KV head's query group into the rows (no K/V
+    # repeat needed).
     g = h // kvh
     qf = q.reshape(q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * q_len, d)
     q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
     k_pos = torch.arange(seq_len, device=q.device)  # [seq_len]
-    mask = (k_pos[None, :] <= q_pos[:, None]).repeat(g, 1)  # [g * q_len, seq_len]
-    o = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=scale)
+    mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+    if windowed:
+        mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+    o = _attention(qf, k, v, mask.repeat(g, 1), scale, softcap)  # mask: [g * q_len, seq_len]
     # o: [1, kvh, g * q_len, d]
     return o.view(kvh, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
 
 
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """softmax(scale * q k^T, masked) v; with a softcap, as HF's eager Gemma 2: the capped
+    scores and the float32 softmax spelled out (SDPA has no cap)."""
+    # q: [..., M, d]; k, v: [..., L, d]; mask: broadcastable to [..., M, L], True = visible
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., M, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 def attention_reference(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Naive float64 per-sequence loop, slot by slot; for tests only. Returns [T, h, d] float64."""
     # q: [T, h, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
@@ -223,7 +278,12 @@ def attention_reference(
         v = v_slots[slots].repeat_interleave(h // kvh, dim=1)  # [seq_len, h, d]
         qi = q[start:end].double().cpu()  # [q_len, h, d]
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale  # [h, q_len, seq_len]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(seq_len - q_len, seq_len)
-        scores = scores.masked_fill(pos[None, :] > q_pos[:, None], float("-inf"))
+        hidden = pos[None, :] > q_pos[:, None]
+        if sliding_window is not None:
+            hidden |= pos[None, :] <= q_pos[:, None] - sliding_window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
     return out

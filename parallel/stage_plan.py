@@ -55,7 +55,8 @@ def default_costs(
     Costs are matmul FLOPs per token, proportional to weight counts, with one decoder layer
     = 1.0: the layer's q/k/v/o projections and gated MLP; the head's ``hidden × vocab``
     projection; the embedding is a lookup (0). Attention over the context, which grows with
-    it equally on every layer, and norms are left out.
+    it equally on every layer, and norms are left out (so Gemma's extra norms and its sliding
+    layers, whose attention the window caps, change nothing here).
     """
     sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
                  vocab_size=vocab_size, num_heads=num_heads, num_kv_heads=num_kv_heads,

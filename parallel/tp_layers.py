@@ -208,6 +208,24 @@ def read_rows(loaded: Any, rows: Sequence[int]) -> torch.Tensor:
     return loaded[lo:hi][torch.tensor([r - lo for r in rows])]
 
 
+class RowRange:
+    """Rows [start, stop) of a tensor or lazy slice, itself a lazy slice (``get_shape()``,
+    ``s[a:b]``, ``s[:, a:b]``, ``s[:]``): one part of a checkpoint's fused projection."""
+
+    def __init__(self, loaded: Any, start: int, stop: int) -> None:
+        assert 0 <= start < stop <= checkpoint_shape(loaded)[0], (start, stop, checkpoint_shape(loaded))
+        self.loaded, self.start, self.stop = loaded, start, stop
+
+    def get_shape(self) -> list[int]:
+        return [self.stop - self.start, *checkpoint_shape(self.loaded)[1:]]
+
+    def __getitem__(self, key: Any) -> torch.Tensor:
+        rows, *rest = key if isinstance(key, tuple) else (key,)
+        assert isinstance(rows, slice) and rows.step in (None, 1), f"rows must be a plain slice, got {key}"
+        a, b, _ = rows.indices(self.stop - self.start)
+        return self.loaded[(slice(self.start + a, self.start + b), *rest)]
+
+
 def read_cols(loaded: Any, start: int, stop: int) -> torch.Tensor:
     """``loaded[:, start:stop]``, reading only those columns."""
     return loaded[:, start:stop]

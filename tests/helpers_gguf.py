@@ -124,11 +124,19 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict[str, Any]) -> None:
     writer.add_tokenizer_pre(tok.get("pre", "gpt2"))
     writer.add_token_list(tok["tokens"])
     writer.add_token_types(tok["token_types"])
-    writer.add_token_merges(tok["merges"])
+    if "scores" in tok:
+        writer.add_token_scores(tok["scores"])
+    if "merges" in tok:
+        writer.add_token_merges(tok["merges"])
+    if "add_space_prefix" in tok:
+        writer.add_add_space_prefix(tok["add_space_prefix"])
     if tok.get("bos_token_id") is not None:
         writer.add_bos_token_id(tok["bos_token_id"])
     writer.add_eos_token_id(tok["eos_token_id"])
-    writer.add_add_bos_token(tok.get("add_bos_token", False))
+    if tok.get("unknown_token_id") is not None:
+        writer.add_unk_token_id(tok["unknown_token_id"])
+    if "add_bos_token" in tok:
+        writer.add_add_bos_token(tok["add_bos_token"])
     if tok.get("chat_template"):
         writer.add_chat_template(tok["chat_template"])
 
@@ -168,6 +176,38 @@ def tiny_bpe_tokenizer(
         "bos_token_id": vocab[special_tokens[0]],
         "eos_token_id": vocab[special_tokens[-1]],
         "add_bos_token": False,
+    }
+
+
+def sentencepiece_gguf_tokenizer(model_proto: bytes, user_defined: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The "llama" (SPM) vocabulary llama.cpp's converter writes for a SentencePiece model
+    (its `_create_vocab_sentencepiece`: every piece with its score and type), `user_defined`
+    being the model's user-defined symbols; for `write_tiny_llama_gguf`'s `tokenizer`. Needs
+    the `sentencepiece` package."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+    pieces = range(sp.vocab_size())
+
+    def token_type(i: int) -> int:
+        for test, kind in ((sp.is_unknown, gguf.TokenType.UNKNOWN), (sp.is_control, gguf.TokenType.CONTROL),
+                           (sp.is_unused, gguf.TokenType.UNUSED), (sp.is_byte, gguf.TokenType.BYTE)):
+            if test(i):
+                return int(kind)
+        return NORMAL
+
+    # The Python API does not tell user-defined pieces (llama.cpp reads them from the model proto).
+    types = [int(gguf.TokenType.USER_DEFINED) if sp.id_to_piece(i) in user_defined else token_type(i)
+             for i in pieces]
+    return {
+        "model": "llama",
+        "pre": "default",
+        "tokens": [sp.id_to_piece(i) for i in pieces],
+        "scores": [sp.get_score(i) for i in pieces],
+        "token_types": types,
+        "bos_token_id": sp.bos_id(),
+        "eos_token_id": sp.eos_id(),
+        "unknown_token_id": sp.unk_id(),
     }
 
 

@@ -19,7 +19,10 @@ from pipeserve.runtime.model.llama import LlamaForCausalLM
 
 # Every kind is hidden 64, 4 heads / 2 KV heads (GQA), head_dim 16, vocab 256.
 TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "llama_yarn_rope", "qwen2", "qwen3",
-              "mistral")
+              "mistral", "gemma2", "gemma3", "phi3", "phi4_mini")
+# Gemma's (and the tiny Phi-3's) sliding layers see this many keys: fewer than the tests'
+# prompts, so windows matter.
+TINY_SLIDING_WINDOW = 12
 
 _TINY_SHAPE = dict(
     vocab_size=256,
@@ -38,7 +41,15 @@ _TINY_SHAPE = dict(
 
 def tiny_hf_config(kind: str, **overrides):
     """A transformers config for one of TINY_KINDS."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     shape = {**_TINY_SHAPE, **overrides}
     if kind == "llama":
@@ -65,6 +76,26 @@ def tiny_hf_config(kind: str, **overrides):
         return Qwen3Config(**{**shape, "head_dim": 32, **overrides}, tie_word_embeddings=False, attention_bias=False)
     if kind == "mistral":
         return MistralConfig(**shape, sliding_window=None)
+    gemma = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_SLIDING_WINDOW)
+    if kind == "gemma2":  # layer 0 slides, layer 1 global; caps small enough to bend the values
+        return Gemma2Config(**{**shape, **gemma, **overrides}, attn_logit_softcapping=2.0,
+                            final_logit_softcapping=3.0)
+    if kind == "gemma3":  # layer 0 slides on its local RoPE base, layer 1 global with linear RoPE
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}
+        return Gemma3TextConfig(**{**shape, **gemma, **overrides}, rope_parameters=rope,
+                                sliding_window_pattern=2, tie_word_embeddings=True)
+    if kind in ("phi3", "phi4_mini"):
+        # LongRoPE's short factors (all a prompt this short uses) and its attention factor
+        # (context 256 over original 128); Phi-3 slides every layer, Phi-4-mini turns 3/4 of
+        # each head and ties its head.
+        partial = 1.0 if kind == "phi3" else 0.75
+        half = int(shape["head_dim"] * partial) // 2
+        rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.5 * i for i in range(half)],
+                "long_factor": [4.0] * half, "partial_rotary_factor": partial, "rope_theta": 10000.0}
+        window = TINY_SLIDING_WINDOW if kind == "phi3" else None
+        return Phi3Config(**shape, original_max_position_embeddings=128, rope_parameters=rope, pad_token_id=0,
+                          sliding_window=window, tie_word_embeddings=kind == "phi4_mini")
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2), for packed paged-KV serving.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3), for packed paged-KV
+serving.
 
 Tokens arrive flat: a micro-batch is T tokens from several sequences, with no batch dimension
 and no padding; ``AttentionMetadata`` says which tokens belong to which sequence and where
@@ -12,6 +13,13 @@ q/k/v and gate/up are fused into one projection each (one GEMM instead of three/
 ``load_weights`` maps HF's separate tensors into their row ranges. Modules come in reading
 order: RMSNorm, RoPE, attention, MLP, decoder layer, model.
 
+Gemma (``ModelConfig.is_gemma``) runs the same modules with its own pieces: ``GemmaRMSNorm``
+((1 + w), float32), a norm after attention and around the MLP, GeGLU, the embedding scaled by
+sqrt(hidden), per-layer sliding windows and soft-capped scores and logits. Its norms and GeGLU
+are plain torch on every device (no Triton kernel rounds Gemma's way yet). Phi-3's checkpoints
+fuse q/k/v and gate/up themselves; ``load_weights`` splits them into the HF tensors they stack,
+and Phi-4-mini turns RoPE on part of each head only (``Attention._rope``).
+
 Tensor parallelism lives in the layers (``pipeserve.parallel.tp_layers``): attention heads and
 the MLP's intermediate features are split over the TP ranks of a stage (column-parallel in,
 row-parallel out, one all-reduce each), the embedding and LM head over the vocabulary. The
@@ -21,6 +29,7 @@ residual stream [T, H] is whole on every TP rank. With one TP rank the layers ar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -30,6 +39,7 @@ from torch import nn
 
 from pipeserve.kernels import KernelOps, torch_ops
 from pipeserve.kernels.attention_metadata import AttentionMetadata
+from pipeserve.kernels.reference import gelu_tanh_mul_reference
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.parallel.tp_layers import (
     InvariantNumerics,
@@ -37,7 +47,9 @@ from pipeserve.parallel.tp_layers import (
     ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
+    RowRange,
     VocabParallelEmbedding,
+    checkpoint_shape,
     default_weight_loader,
     shard_heads,
 )
@@ -57,20 +69,46 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as w and applied as (1 + w), in float32, rounded
+    once at the end (HF Gemma's order; Llama's rounds before the weight, as ``ops`` does)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual), as ``RMSNorm``; ``ops`` is not used."""
+        # x, residual: [T, H]
+        if residual is not None:
+            x = x + residual
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).to(x.dtype), x
+
+
+def norm_class(config: ModelConfig) -> type[RMSNorm] | type[GemmaRMSNorm]:
+    return GemmaRMSNorm if config.is_gemma else RMSNorm
+
+
 # --- RoPE ---------------------------------------------------------------------------------
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32 (``rope_parameters`` without its factor)."""
+    """Inverse frequencies [rotary_dim / 2] in float32 (``rope_parameters`` without its factor)."""
     return rope_parameters(config)[0]
 
 
 def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [head_dim / 2] in float32, the factor cos and sin are scaled by),
-    with Llama-3, linear or YaRN scaling, computed exactly as transformers'
+    """(inverse frequencies [rotary_dim / 2] in float32, the factor cos and sin are scaled by),
+    with Llama-3, linear, YaRN or LongRoPE scaling, computed exactly as transformers'
     ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
-    ``_compute_yarn_parameters``."""
-    d = config.head_dim
+    ``_compute_yarn_parameters`` / ``_compute_longrope_parameters`` (its short factors: see
+    ``model_config._longrope_cap``)."""
+    d = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = config.rope_scaling
     if scaling is None:
@@ -79,6 +117,8 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
         return inv_freq / scaling["factor"], 1.0
     if scaling["rope_type"] == "yarn":
         return _yarn(config, scaling)
+    if scaling["rope_type"] == "longrope":
+        return _longrope(config, scaling)
     assert scaling["rope_type"] == "llama3", scaling
     factor = scaling["factor"]
     low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -102,7 +142,7 @@ def _yarn(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
     interpolated (slowed by ``factor``), those that turn more than ``beta_fast`` times kept,
     with a linear ramp between; cos and sin grow by the attention factor (0.1 ln(factor) + 1
     unless given)."""
-    d, base = config.head_dim, config.rope_theta
+    d, base = config.rotary_dim, config.rope_theta
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or config.max_position_embeddings / original
 
@@ -130,8 +170,21 @@ def _yarn(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+def _longrope(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE's short factors divide each frequency; cos and sin grow by
+    sqrt(1 + ln(factor) / ln(original context)) unless an attention factor is given."""
+    d, original, factor = config.rotary_dim, scaling["original_max_position_embeddings"], scaling["factor"]
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext_factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)  # [d / 2]
+    inv_freq_shape = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    return 1.0 / (ext_factors * config.rope_theta**inv_freq_shape), float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_position_embeddings, kept in float32."""
+    """cos/sin tables [max_pos, rotary_dim] for every position up to max_position_embeddings,
+    kept in float32."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -169,10 +222,12 @@ class Attention(nn.Module):
     """Grouped-query attention with a fused qkv projection over the paged KV cache.
 
     Holds this TP rank's heads (``shard_heads``): ``num_heads`` query heads and
-    ``num_kv_heads`` KV heads, all counts local.
+    ``num_kv_heads`` KV heads, all counts local. Global layer ``layer`` may slide a window
+    (``ModelConfig.layer_window``) and soft-cap its scores; those options go to
+    ``ops.paged_attention`` only when set.
     """
 
-    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, layer: int) -> None:
         super().__init__()
         heads = shard_heads(
             config.num_attention_heads,
@@ -184,7 +239,10 @@ class Attention(nn.Module):
         self.head_dim = d = config.head_dim
         self.q_size = self.num_heads * d
         self.kv_size = self.num_kv_heads * d
-        self.scale = d**-0.5
+        self.rotary_dim = config.rotary_dim
+        self.scale = (config.query_pre_attn_scalar or d) ** -0.5
+        options = {"sliding_window": config.layer_window(layer), "softcap": config.attn_logit_softcapping}
+        self.attention_options = {k: v for k, v in options.items() if v is not None}
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             d,
@@ -204,10 +262,11 @@ class Attention(nn.Module):
         )
         # HF projection -> (our fused projection, its part: the loader places the rows).
         self.hf_shards = {f"{p}_proj": ("qkv_proj", p) for p in "qkv"}
-        # Qwen3: one RMSNorm weight over head_dim for every query head, one for every key head
-        # (the same on every TP rank).
-        self.q_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps) if config.qk_norm else None
+        # Qwen3, Gemma 3: one RMSNorm weight over head_dim for every query head, one for every
+        # key head (the same on every TP rank).
+        norm = norm_class(config)
+        self.q_norm = norm(d, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = norm(d, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self,
@@ -227,18 +286,31 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head: rows of head_dim
             q = self.q_norm(q.reshape(-1, self.head_dim), None, ops)[0].view(T, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim), None, ops)[0].view(T, self.num_kv_heads, self.head_dim)
-        q, k = ops.rope(q, k, cos, sin)
+        q, k = self._rope(q, k, cos, sin, ops)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
-        o = ops.paged_attention(q, kv_cache, meta, self.scale)  # [T, h, d]
+        o = ops.paged_attention(q, kv_cache, meta, self.scale, **self.attention_options)  # [T, h, d]
         return self.o_proj(o.reshape(T, self.q_size))  # [T, H]
+
+    def _rope(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: KernelOps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE on each head's first rotary_dim dimensions (all of them but for Phi-4-mini)."""
+        # q: [T, h, d]; k: [T, kvh, d]; cos, sin: [T, rotary_dim]
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return ops.rope(q, k, cos, sin)
+        q_rot, k_rot = ops.rope(q[..., :r], k[..., :r], cos, sin)  # (the Triton kernel: in place)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one projection; GeGLU
+    (Gemma) with GELU's tanh approximation in place of silu."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
         super().__init__()
         inter = config.intermediate_size
+        self.hidden_act = config.hidden_act
         # Both split evenly over TP ranks, so gate and up keep equal local widths and
         # down_proj's columns (the same even split) match them.
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -252,16 +324,27 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
         # x: [T, H]
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # [T, 2I_local] -> [T, H]
+        gate_up = self.gate_up_proj(x)  # [T, 2I_local]
+        if self.hidden_act == "silu":
+            return self.down_proj(ops.silu_mul(gate_up))  # [T, H]
+        return self.down_proj(gelu_tanh_mul_reference(gate_up))  # [T, H]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
+    """Global layer ``layer``. Gemma's post_attention_layernorm norms the attention's output
+    before the residual add, and the MLP has a norm of its own before and after."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext, layer: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm, H, eps = norm_class(config), config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = norm(H, eps)
+        self.self_attn = Attention(config, parallel, layer)
+        self.post_attention_layernorm = norm(H, eps)
         self.mlp = MLP(config, parallel)
+        self.pre_feedforward_layernorm = norm(H, eps) if config.is_gemma else None
+        self.post_feedforward_layernorm = norm(H, eps) if config.is_gemma else None
+        # Gemma 3's sliding-window layers turn RoPE on their own base.
+        self.local_rope = config.local_rope_theta is not None and config.layer_window(layer) is not None
 
     def forward(
         self,
@@ -277,8 +360,13 @@ class DecoderLayer(nn.Module):
         None: x alone)."""
         x, residual = self.input_layernorm(x, residual, ops)
         x = self.self_attn(x, cos, sin, kv_cache, meta, ops)
-        x, residual = self.post_attention_layernorm(x, residual, ops)
-        return self.mlp(x, ops), residual
+        if self.pre_feedforward_layernorm is None:
+            x, residual = self.post_attention_layernorm(x, residual, ops)
+            return self.mlp(x, ops), residual
+        x, _ = self.post_attention_layernorm(x, None, ops)
+        x, residual = self.pre_feedforward_layernorm(x, residual, ops)
+        x, _ = self.post_feedforward_layernorm(self.mlp(x, ops), None, ops)
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -324,13 +412,19 @@ class LlamaForCausalLM(nn.Module):
                 config.vocab_size, config.hidden_size, parallel=parallel
             )
         self.rotary_emb = RotaryEmbedding(config)
+        self.local_rotary_emb = None
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+            self.local_rotary_emb = RotaryEmbedding(local)
+        # Gemma scales the embedding by sqrt(hidden), rounded to the activations' dtype as HF does.
+        self.embed_scale = config.hidden_size**0.5 if config.is_gemma else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, parallel) for _ in range(start_layer, end_layer)
+            DecoderLayer(config, parallel, layer) for layer in range(start_layer, end_layer)
         )
         self.num_layers = end_layer - start_layer  # one KV cache each
         self.norm = self.lm_head = None
         if end_layer == num_layers:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel)
             if config.tie_word_embeddings and self.embed_tokens is not None:
                 self.lm_head.weight = self.embed_tokens.weight
@@ -353,15 +447,19 @@ class LlamaForCausalLM(nn.Module):
             if input_ids is None:
                 raise ValueError("the first stage needs input_ids")
             x = self.embed_tokens(input_ids)  # [T, H]
+            if self.embed_scale is not None:
+                x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         else:
             if hidden_states is None:
                 raise ValueError("a stage after the first needs hidden_states")
             x = hidden_states  # [T, H]
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, d] each
+        rope = self.rotary_emb(positions, x.dtype)  # cos, sin: [T, d] each
+        local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = local_rope if layer.local_rope else rope
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
         if self.norm is not None:
             x, _ = self.norm(x, residual, self.ops)
@@ -375,6 +473,11 @@ class LlamaForCausalLM(nn.Module):
         Batch-invariant ops (``kernel_ops(..., batch_invariant=True)``) also make the linear
         layers deterministic: their matmul everywhere, row-parallel inputs reduced over
         ``reduction_splits`` float32 segments (``InvariantNumerics``)."""
+        if ops.matmul is not None and self.config.is_gemma:
+            raise ValueError(
+                "deterministic mode does not cover Gemma yet: its (1 + w) norms run as plain "
+                "torch, whose reductions may round differently with the batch's size"
+            )
         self.ops = ops
         numerics = None
         if ops.matmul is not None:
@@ -385,9 +488,12 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,
-        on every TP rank (last stage only; with TP > 1 a collective that every TP rank joins)."""
+        on every TP rank (last stage only; with TP > 1 a collective that every TP rank joins),
+        soft-capped where the model caps them (Gemma 2)."""
         assert self.lm_head is not None, "compute_logits needs the last stage"
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # --- weights --------------------------------------------------------------------------
 
@@ -404,7 +510,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         errors: list[str] = []
         with torch.no_grad():
-            for hf_name, tensor in weights:
+            for hf_name, tensor in self._split_fused(weights):
                 if hf_name.endswith("rotary_emb.inv_freq"):
                     continue
                 # A real lm_head.weight wins over the embedding, whichever comes first.
@@ -430,6 +536,28 @@ class LlamaForCausalLM(nn.Module):
         if errors:
             raise ValueError("load_weights failed:\n  " + "\n  ".join(errors))
 
+    def _split_fused(self, weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+        """Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` tensors as the separate HF tensors
+        they stack (lazy row ranges: a TP rank still reads only its rows of each part)."""
+        c = self.config
+        q, kv, inter = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.intermediate_size
+        parts = {
+            "self_attn.qkv_proj": (("q_proj", 0, q), ("k_proj", q, q + kv), ("v_proj", q + kv, q + 2 * kv)),
+            "mlp.gate_up_proj": (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter)),
+        }
+        for hf_name, tensor in weights:
+            module, _, leaf = hf_name.rpartition(".")
+            fused = next((f for f in parts if module.endswith("." + f)), None)
+            if fused is None or not hf_name.startswith("model.layers."):
+                yield hf_name, tensor
+                continue
+            prefix = module.removesuffix(fused.rpartition(".")[2])
+            rows = checkpoint_shape(tensor)[0]
+            if rows != parts[fused][-1][2]:
+                raise ValueError(f"{hf_name} has {rows} rows, not {parts[fused][-1][2]}")
+            for name, start, stop in parts[fused]:
+                yield f"{prefix}{name}.{leaf}", RowRange(tensor, start, stop)
+
     def expected_weight_names(self) -> set[str]:
         """HF names this module needs (a separate ``lm_head.weight`` may come from the
         embedding; a shared one is the embedding)."""
@@ -447,6 +575,10 @@ class LlamaForCausalLM(nn.Module):
             }
             names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
             names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+            if self.config.qk_norm:
+                names |= {f"{prefix}self_attn.{p}_norm.weight" for p in "qk"}
+            if self.config.is_gemma:
+                names |= {f"{prefix}{p}_feedforward_layernorm.weight" for p in ("pre", "post")}
             if self.config.attention_bias:
                 names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
             if self.config.o_proj_bias:

@@ -1,9 +1,15 @@
 """The shape of a Llama-family model, read from a Hugging Face ``config.json``.
 
-Llama 2/3, Mistral, Qwen2 and Qwen3 share one decoder: RMSNorm, RoPE (NeoX / rotate-half
-layout), grouped-query attention and a SwiGLU MLP. They differ only in the values here: Qwen2
-adds q/k/v biases, Qwen3 an RMSNorm of each query and key head before RoPE, Llama 3 scales its
-RoPE frequencies, small models tie the LM head to the embedding.
+Llama 2/3, Mistral, Qwen2, Qwen3, Gemma 2/3 and Phi-3 share one decoder: RMSNorm, RoPE (NeoX /
+rotate-half layout), grouped-query attention and a gated MLP. They differ only in the values
+here: Qwen2 adds q/k/v biases, Qwen3 an RMSNorm of each query and key head before RoPE, Llama 3
+scales its RoPE frequencies, small models tie the LM head to the embedding. Gemma (``is_gemma``)
+scales the embedding by sqrt(hidden_size), norms with ``(1 + w)`` in float32 before and after
+both attention and MLP, gates with GELU (tanh), scales queries by ``query_pre_attn_scalar`` and
+alternates sliding-window and global layers (``layer_types``); Gemma 2 soft-caps the attention
+scores and the logits, Gemma 3 norms q/k heads and gives its local layers their own RoPE base.
+Phi-3 fuses q/k/v and gate/up in its checkpoints (split at load), scales RoPE with LongRoPE's
+short factors and, as Phi-4-mini, may turn only part of each head (``partial_rotary_factor``).
 """
 
 from __future__ import annotations
@@ -14,13 +20,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("llama3", "linear", "yarn")  # plus no scaling ("default" / None)
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
+)
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")  # plus no scaling ("default" / None)
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 _LLAMA3_ROPE_KEYS = (
     "factor",
@@ -46,7 +66,8 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    """None for plain RoPE; else {"rope_type": "llama3" | "linear" | "yarn", "factor": ..., ...}."""
+    """None for plain RoPE; else {"rope_type": "llama3" | "linear" | "yarn" | "longrope",
+    "factor": ..., ...}."""
     max_position_embeddings: int
     """Longest context; the RoPE tables are precomputed up to here."""
     tie_word_embeddings: bool
@@ -54,7 +75,27 @@ class ModelConfig:
     attention_bias: bool
     """q/k/v projections have biases (Qwen2; Llama's ``attention_bias`` also biases o_proj)."""
     qk_norm: bool = False
-    """Each query and key head is RMS-normed (its own weight of head_dim) before RoPE (Qwen3)."""
+    """Each query and key head is RMS-normed (its own weight of head_dim) before RoPE (Qwen3,
+    Gemma 3)."""
+    hidden_act: str = "silu"
+    """The MLP's gate activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores are scaled by this ** -0.5 (Gemma); None: by head_dim ** -0.5."""
+    attn_logit_softcapping: float | None = None
+    """Scores s become cap * tanh(s / cap) before the softmax (Gemma 2); None: no cap."""
+    final_logit_softcapping: float | None = None
+    """Logits become cap * tanh(logits / cap) (Gemma 2); None: no cap."""
+    sliding_window: int | None = None
+    """Keys a sliding-window layer's query sees, itself included (the positions
+    ``q - sliding_window < k <= q``); None when no layer slides."""
+    layer_types: tuple[str, ...] = ()
+    """One of LAYER_TYPES per layer (Gemma's alternation); empty: every layer full attention."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding-window layers, unscaled (Gemma 3's local base); None: every
+    layer uses rope_theta and rope_scaling."""
+    partial_rotary_factor: float = 1.0
+    """RoPE turns the first ``rotary_dim`` = head_dim × this dimensions of each query and key
+    head, the rest pass through (Phi-4-mini: 0.75)."""
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -86,6 +127,58 @@ class ModelConfig:
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
         _check_rope_scaling(self.rope_scaling)
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ValueError(
+                f"partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} "
+                f"gives {self.rotary_dim} rotary dimensions; need an even number >= 2"
+            )
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[key]) != self.rotary_dim // 2:
+                    raise ValueError(
+                        f"longrope {key} has {len(self.rope_scaling[key])} entries; "
+                        f"rotary_dim {self.rotary_dim} needs {self.rotary_dim // 2}"
+                    )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        self._check_layer_types()
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+                     "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be positive and finite, got {value}")
+
+    def _check_layer_types(self) -> None:
+        if not self.layer_types:
+            if self.sliding_window is not None:
+                raise ValueError("sliding_window needs layer_types saying which layers slide")
+            return
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(LAYER_TYPES)}")
+        if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) > 0:
+            raise ValueError(f"sliding-window layers need a positive sliding_window, got {self.sliding_window}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's embedding scale, ``(1 + w)`` float32 norms and four norms per layer."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of global layer ``layer``; None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def o_proj_bias(self) -> bool:
@@ -105,13 +198,20 @@ class ModelConfig:
                     f"({num_heads}) and config.json gives no head_dim"
                 )
             head_dim = hidden_size // num_heads
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}; only 'silu' (SwiGLU)")
         if d.get("mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
-        if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"partial_rotary_factor={d['partial_rotary_factor']} (RoPE on part of each head) is not supported")
-        rope_theta, rope_scaling = _rope(d)
+        partial_rotary_factor = float(
+            (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        )
+        if partial_rotary_factor != 1.0 and architecture != "Phi3ForCausalLM":
+            raise ValueError(
+                f"partial_rotary_factor={partial_rotary_factor} (RoPE on part of each head) is "
+                f"supported for Phi3ForCausalLM only, not {architecture}"
+            )
+        if architecture == "Gemma3ForCausalLM":
+            rope_theta, rope_scaling, local_rope_theta = _gemma3_rope(d)
+        else:
+            (rope_theta, rope_scaling), local_rope_theta = _rope(d), None
         eos = d.get("eos_token_id")
         eos_token_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
         return cls(
@@ -130,7 +230,12 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM"
             or bool(d.get("attention_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            hidden_act=_hidden_act(d, architecture),
+            local_rope_theta=local_rope_theta,
+            partial_rotary_factor=partial_rotary_factor,
+            **_gemma_attention(d, architecture),
+            **_phi3_attention(d, architecture),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos_token_ids),
         )
@@ -173,9 +278,86 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_theta = float(params.pop("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", None) or params.pop("type", None)
     params.pop("type", None)
+    params.pop("partial_rotary_factor", None)  # ModelConfig.partial_rotary_factor
     if rope_type in (None, "default"):
         return rope_theta, None
+    if rope_type in ("longrope", "su"):  # "su": Phi-3's first name for it
+        return rope_theta, _longrope(d, params)
     return rope_theta, {"rope_type": rope_type, **params}
+
+
+def _longrope(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's parameters with its factor made explicit: transformers derives it from the
+    config's max_position_embeddings over original_max_position_embeddings (which Phi-3 keeps
+    at the top level), and we cap max_position_embeddings (``_max_positions``)."""
+    original = params.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("longrope RoPE scaling lacks original_max_position_embeddings")
+    factor = params.get("factor") or _require(d, "max_position_embeddings") / original
+    return {**params, "rope_type": "longrope", "original_max_position_embeddings": original, "factor": factor}
+
+
+def _gemma3_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, rope_scaling) of Gemma 3's global layers and the RoPE base of its local
+    ones, from transformers 5's per-layer-type ``rope_parameters`` or transformers 4's
+    ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` (defaults 1e6 and 1e4)."""
+    params = d.get("rope_parameters") or {}
+    if "full_attention" in params:
+        rope_theta, rope_scaling = _rope({"rope_parameters": params["full_attention"], "rope_theta": 1e6})
+        local_theta, local_scaling = _rope(
+            {"rope_parameters": params.get("sliding_attention") or {}, "rope_theta": 1e4}
+        )
+    else:
+        rope_theta, rope_scaling = _rope({"rope_theta": 1e6, **d})
+        local_theta, local_scaling = float(d.get("rope_local_base_freq", 1e4)), None
+    if local_scaling is not None:
+        raise ValueError(
+            f"RoPE scaling {local_scaling['rope_type']!r} on the sliding-window layers is not supported"
+        )
+    return rope_theta, rope_scaling, local_theta
+
+
+def _hidden_act(d: dict[str, Any], architecture: str) -> str:
+    """Gemma names its activation ``hidden_activation`` (``hidden_act`` is Gemma 1's)."""
+    if architecture in GEMMA_ARCHITECTURES:
+        return d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
+    return d.get("hidden_act", "silu")
+
+
+def _phi3_attention(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Phi-3's ``sliding_window`` (Phi-3-mini-4k: 2047) slides over every layer, as
+    transformers' Phi-3 masks; {} for other architectures or without a window."""
+    if architecture != "Phi3ForCausalLM" or d.get("sliding_window") is None:
+        return {}
+    num_layers = _require(d, "num_hidden_layers")
+    return {"sliding_window": d["sliding_window"], "layer_types": ("sliding_attention",) * num_layers}
+
+
+def _gemma_attention(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """Gemma's attention settings as ModelConfig fields; {} for other architectures. Without
+    ``layer_types``, Gemma 2 alternates sliding and global layers (sliding first) and Gemma 3
+    makes every ``sliding_window_pattern``-th layer global, as transformers does."""
+    if architecture not in GEMMA_ARCHITECTURES:
+        return {}
+    gemma3 = architecture == "Gemma3ForCausalLM"
+    if d.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention=True (an encoder's attention) is not supported")
+    if gemma3 and d.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            "attn_logit_softcapping on Gemma 3 is not supported (transformers' Gemma 3 ignores it)"
+        )
+    pattern = d.get("sliding_window_pattern", 6) if gemma3 else 2
+    num_layers = _require(d, "num_hidden_layers")
+    layer_types = d.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+    ]
+    caps = {k: d.get(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {
+        "query_pre_attn_scalar": float(_require(d, "query_pre_attn_scalar")),
+        **{k: None if v is None else float(v) for k, v in caps.items()},
+        "sliding_window": d.get("sliding_window"),
+        "layer_types": tuple(layer_types),
+    }
 
 
 def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
@@ -187,7 +369,11 @@ def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
             f"unsupported rope scaling {rope_type!r}; supported: default, "
             f"{', '.join(SUPPORTED_ROPE_TYPES)}"
         )
-    keys = {"llama3": _LLAMA3_ROPE_KEYS, "yarn": ("original_max_position_embeddings",)}.get(rope_type, ("factor",))
+    keys = {
+        "llama3": _LLAMA3_ROPE_KEYS,
+        "yarn": ("original_max_position_embeddings",),
+        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor"),
+    }.get(rope_type, ("factor",))
     missing = [k for k in keys if k not in rope_scaling]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
@@ -198,11 +384,26 @@ def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
 
 
 def _max_positions(d: dict[str, Any], architecture: str) -> int:
-    """The context limit. We do not implement sliding-window attention, so a model that uses
-    it (Mistral v0.1, Qwen2 with use_sliding_window) is capped to its window, within which
-    full attention is exact (vLLM did the same before it supported windows)."""
-    max_positions = _require(d, "max_position_embeddings")
+    """The context limit. Mistral v0.1 and Qwen2 with use_sliding_window slide over every
+    layer; they are capped to their window, within which full attention is exact (vLLM did
+    the same before it supported windows). Gemma's and Phi-3's windows are real
+    (``layer_types``). LongRoPE caps it too (``_longrope_cap``)."""
+    max_positions = _longrope_cap(d, _require(d, "max_position_embeddings"))
+    if architecture in GEMMA_ARCHITECTURES + ("Phi3ForCausalLM",):
+        return max_positions
     window = d.get("sliding_window")
     if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
         window = None
     return min(max_positions, window) if window else max_positions
+
+
+def _longrope_cap(d: dict[str, Any], max_positions: int) -> int:
+    """LongRoPE turns by its short factors up to original_max_position_embeddings and by its
+    long ones past it; transformers switches a sequence to the long ones (recomputing all of
+    its keys) once it grows past. We implement the short ones, exact up to there, and cap the
+    context at that length."""
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if (params.get("rope_type") or params.get("type")) not in ("longrope", "su"):
+        return max_positions
+    original = params.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    return min(max_positions, original)

@@ -21,13 +21,13 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from pipeserve.runtime.model.gguf_loader import GGUFCheckpoint, gguf_eos_token_ids, read_gguf
 
 # llama.cpp token types (gguf.TokenType).
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
@@ -40,7 +40,11 @@ _QWEN2_SPLIT = (
 )
 # tokenizer.ggml.pre -> (split regexes applied in order, ignore_merges), as llama.cpp's
 # llama-vocab.cpp does. "smollm" (and the StarCoder family) isolate every digit first, exactly
-# like the Digits(individual_digits=True) step of SmolLM2's own tokenizer.json.
+# like the Digits(individual_digits=True) step of SmolLM2's own tokenizer.json. transformers'
+# GGUF converter is not used instead: it maps "smollm" to plain GPT-2 splitting (another
+# encoding of a whitespace run before a digit, see test_smollm2_encode_decode_match_transformers),
+# its qwen2 / llama-bpe digit splitting changed between 5.17 and 5.24, and transformers is not a
+# runtime dependency.
 _PRE_TOKENIZERS = {
     **dict.fromkeys(["gpt2", "gpt-2", "mpt", "olmo", "jais"], ([_GPT2_SPLIT], False)),
     **dict.fromkeys(
@@ -79,21 +83,24 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, checkpoint_or_path: GGUFCheckpoint | str) -> "Tokenizer":
-        """Build the tokenizer a GGUF file describes (only `tokenizer.ggml.model == "gpt2"`, BPE)."""
+        """Build the tokenizer a GGUF file describes: byte-level BPE (`tokenizer.ggml.model`
+        "gpt2") or SentencePiece ("llama": Llama 2, Mistral v0.1, TinyLlama)."""
         checkpoint = checkpoint_or_path
         if not isinstance(checkpoint, GGUFCheckpoint):
             checkpoint = read_gguf(checkpoint)
         meta = checkpoint.tokenizer_metadata
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(
-                f"{checkpoint.path}: GGUF tokenizer model {model!r} is unsupported (only byte-level BPE, 'gpt2')"
-            )
+        builders = {"gpt2": _byte_level_bpe_from_gguf, "llama": _sentencepiece_bpe_from_gguf}
+        if model not in builders:
+            raise ValueError(f"{checkpoint.path}: GGUF tokenizer model {model!r} is unsupported "
+                             f"(supported: byte-level BPE 'gpt2', SentencePiece 'llama')")
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        add_bos = meta.get("tokenizer.ggml.add_bos_token", model == "llama")
         return cls(
-            _byte_level_bpe_from_gguf(meta),
+            builders[model](meta),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=gguf_eos_token_ids(meta),
-            add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            add_bos_token=bool(add_bos),
             chat_template=meta.get("tokenizer.chat_template"),
         )
 
@@ -102,6 +109,14 @@ class Tokenizer:
         """Load tokenizer.json, plus tokenizer_config.json, chat_template.jinja,
         generation_config.json and config.json when present."""
         tokenizer_file = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(os.path.join(path, "tokenizer.model")) and not os.path.isfile(tokenizer_file):
+            # Converting a SentencePiece protobuf needs transformers, sentencepiece and protobuf;
+            # nearly every published folder ships the converted tokenizer.json beside it.
+            raise ValueError(
+                f"{path} has a SentencePiece tokenizer.model but no tokenizer.json; convert it once with "
+                f"`pip install transformers sentencepiece protobuf` and `python -c \"from transformers import "
+                f"AutoTokenizer; AutoTokenizer.from_pretrained('{path}').save_pretrained('{path}')\"`"
+            )
         if not os.path.isfile(tokenizer_file):
             raise ValueError(f"{path} has no tokenizer.json")
         backend = BackendTokenizer.from_file(tokenizer_file)
@@ -180,33 +195,39 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         special_tokens_in_content: bool = False,
+        continue_final_message: bool = False,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render `messages` with the model's Jinja chat template, as transformers does.
 
-        `template_kwargs` (e.g. `tools=`) are passed to the template. With `tokenize`, the text is
+        `template_kwargs` (e.g. `tools=`) are passed to the template. With
+        `continue_final_message` the rendering ends where the last message's content does (its
+        end-of-turn cut off), so generation continues that message. With `tokenize`, the text is
         encoded without adding BOS: templates write their special tokens themselves. A special
         token's text inside a message's content (say "<|im_start|>system") stays text unless
         `special_tokens_in_content`, so content cannot forge the template's markers; ValueError
         where the template changes the content on its way (then it cannot be kept apart).
         """
-        text = self._render(messages, add_generation_prompt, template_kwargs)
+        text = self._render(messages, add_generation_prompt, template_kwargs, continue_final_message)
         if not tokenize:
             return text
         if special_tokens_in_content or not any(self._holds_special_text(m.get("content")) for m in messages):
             return self.encode(text, add_special_tokens=False)
-        return self._encode_with_literal_contents(messages, text, add_generation_prompt, template_kwargs)
+        return self._encode_with_literal_contents(messages, text, add_generation_prompt, template_kwargs,
+                                                  continue_final_message)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, template_kwargs: dict,
+                continue_final: bool) -> str:
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
-        return self._compiled_chat_template.render(
+        text = self._compiled_chat_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.id_to_token(self.bos_token_id) or "",
             eos_token=self.id_to_token(self.eos_token_id) or "",
             **template_kwargs,
         )
+        return _cut_after_final_message(text, messages[-1].get("content")) if continue_final else text
 
     @cached_property
     def _special_texts(self) -> tuple[str, ...]:
@@ -216,14 +237,14 @@ class Tokenizer:
         return isinstance(content, str) and any(s in content for s in self._special_texts)
 
     def _encode_with_literal_contents(self, messages: list[dict], text: str, add_generation_prompt: bool,
-                                      template_kwargs: dict) -> list[int]:
+                                      template_kwargs: dict, continue_final: bool) -> list[int]:
         """The rendering's ids with each message's content encoded as plain text: rendered again
         with a unique marker in place of each content, the template's own text between the
         markers is encoded with its special tokens, the contents without."""
         nonce = uuid.uuid4().hex
         marks = {i: f"\ue000{nonce}:{i}\ue001" for i, m in enumerate(messages) if isinstance(m.get("content"), str)}
         marked = self._render([dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)],
-                              add_generation_prompt, template_kwargs)
+                              add_generation_prompt, template_kwargs, continue_final)
         pattern = re.compile("(" + "|".join(re.escape(mark) for mark in marks.values()) + ")")
         pieces = pattern.split(marked)
         by_mark = {mark: messages[i]["content"] for i, mark in marks.items()}
@@ -260,6 +281,11 @@ class IncrementalDetokenizer:
     the new ones, and emits what the new ones add, so that spacing rules depending on the left
     context are honoured (the vLLM / TextStreamer scheme). Text ending in U+FFFD (an incomplete
     UTF-8 sequence split across tokens) is held back until the sequence completes.
+
+    Kept over `tokenizers.decoders.DecodeStream` (the same scheme in Rust): `tools/detok_cost.py`
+    found both give the same text at every step (SmolLM2's byte-level BPE and a SentencePiece
+    BPE, both ways of skip_special_tokens), but its timings on a shared CPU so far favoured
+    whichever of the two it timed second (1-4 against 4-14 µs per token), so no speed-up is shown.
     """
 
     # How many prompt tokens to decode as left context for the first output token.
@@ -375,6 +401,69 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {**{b: chr(b) for b in printable}, **{b: chr(256 + n) for n, b in enumerate(others)}}
 
 
+# ---- GGUF SentencePiece ("llama")
+
+
+def _sentencepiece_bpe_from_gguf(meta: dict[str, Any]) -> BackendTokenizer:
+    """llama.cpp's SPM vocabulary (a SentencePiece BPE model's pieces, scores and token types) as
+    a `tokenizers` BPE with byte fallback, tokenizing as llama.cpp does.
+
+    Spaces become "▁", and with `add_space_prefix` (on unless the file says otherwise) a "▁" is
+    prepended to the text and to every run of text after a special token: llama.cpp does so
+    (`is_prev_special`), and a normalizer runs on each run between added tokens, so Prepend does
+    exactly that. (transformers' GGUF converter prepends at the very start only, which differs
+    from llama.cpp on chat prompts: "<s>[INST]" must encode "[INST]" as "▁[INST]".)
+    """
+    tokens = meta["tokenizer.ggml.tokens"]
+    scores = meta.get("tokenizer.ggml.scores")
+    if scores is None:
+        raise ValueError("GGUF SentencePiece vocabulary without tokenizer.ggml.scores")
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id", next((i for i, t in enumerate(types) if t == _UNKNOWN), None))
+    backend = BackendTokenizer(models.BPE(
+        vocab, _merges_by_score(vocab, scores, types), unk_token=None if unk_id is None else tokens[unk_id],
+        fuse_unk=True, byte_fallback=True,
+    ))
+    add_space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    prefix = [normalizers.Prepend("▁")] if add_space_prefix else []
+    backend.normalizer = normalizers.Sequence([*prefix, normalizers.Replace(" ", "▁")])
+    # The decoders mirror: "▁" back to spaces, <0xNN> pieces to bytes, then the prefix space off.
+    strip = [decoders.Strip(" ", 1, 0)] if add_space_prefix else []
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    backend.add_tokens([
+        AddedToken(token, special=kind in (_CONTROL, _UNKNOWN), normalized=False)
+        for token, kind in zip(tokens, types) if kind in (_CONTROL, _UNKNOWN, _USER_DEFINED)
+    ])
+    return backend
+
+
+def _merges_by_score(vocab: dict[str, int], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies, best first.
+
+    SentencePiece (and llama.cpp) merge, at each step, the adjacent pair whose concatenation is
+    the best-scoring piece; a `tokenizers` BPE merges the pair of lowest rank. So every split of
+    a piece into two pieces is a merge ranked by the piece's score (transformers' converter does
+    the same, with the same tie order). Only normal pieces are merged from or into: control,
+    byte and user-defined pieces are whole symbols.
+    """
+    ranked = []
+    for piece, index in vocab.items():
+        if types[index] != _NORMAL:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            left_id, right_id = vocab.get(left), vocab.get(right)
+            if left_id is not None and right_id is not None and types[left_id] == types[right_id] == _NORMAL:
+                ranked.append((-scores[index], -len(left), -len(right), index, left_id, right_id, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
 # ---- HF folder helpers
 
 
@@ -422,6 +511,18 @@ def _unique(ids: list[int | None]) -> tuple[int, ...]:
 
 
 # ---- Jinja environment (transformers' chat-template conventions)
+
+
+def _cut_after_final_message(text: str, content) -> str:
+    """``text`` up to the end of the last message's content, as transformers'
+    ``continue_final_message`` does (a template may strip the content's outer whitespace)."""
+    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+        raise ValueError("continue_final_message: the last message's content does not appear in the "
+                         "rendered chat")
+    start = text.rindex(content.strip())
+    if text[start:start + len(content.lstrip())] == content.lstrip():
+        return text[:start + len(content.lstrip())]
+    return text[:start + len(content.strip())]
 
 
 def _raise_exception(message: str):

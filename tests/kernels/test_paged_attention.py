@@ -109,9 +109,9 @@ def _run(q, kv_cache, meta, scale, **kwargs):
     return paged_attention(q, kv_cache, meta, scale, **kwargs)
 
 
-def _check(got, q, kv_cache, meta, scale, seed):
+def _check(got, q, kv_cache, meta, scale, seed, **options):
     assert got.shape == q.shape and got.dtype == q.dtype, (got.shape, got.dtype)
-    want = attention_reference(q, kv_cache, meta, scale)  # float64, CPU
+    want = attention_reference(q, kv_cache, meta, scale, **options)  # float64, CPU
     err = (got.double().cpu() - want).abs().max().item()
     assert err <= ATOL[q.dtype], f"seed {seed}: max |err| {err:.3g} > {ATOL[q.dtype]}"
 
@@ -177,6 +177,41 @@ def test_split_decode_matches_reference(num_splits, block_size, num_heads, num_k
     if num_splits == 2:  # the unsplit kernel agrees too (a different order of the same sums)
         one = _run(q, kv_cache, meta, 0.2, num_splits=1)
         assert (one - got).abs().max().item() <= ATOL[torch.float32], f"seed {seed}"
+
+
+# Gemma's options: a window of one key, windows inside and across the key tiles (64), one
+# longer than every context, and a cap alone. Decodes run unsplit and split.
+WINDOWED = [(1, 63), (1, 65), (3, 65), (40, 100), (70, 70), (22, 150), (1, 1), (1, 129)]
+
+
+@pytest.mark.parametrize(
+    "sliding_window, softcap", [(1, None), (20, None), (64, 2.0), (None, 1.5)]
+)
+def test_window_and_softcap_match_reference(sliding_window, softcap):
+    seed = _seed()
+    options = dict(sliding_window=sliding_window, softcap=softcap)
+    case = dict(block_size=16, num_heads=8, num_kv_heads=2, head_dim=16, dtype=torch.float32, seed=seed)
+    q, kv_cache, meta = _random_case(WINDOWED, **case)
+    _check(_run(q, kv_cache, meta, 0.5, **options), q, kv_cache, meta, 0.5, seed, **options)
+    q, kv_cache, meta = _random_case(SPLIT_DECODES, **case, pad=2)
+    for num_splits in (1, 4):
+        got = _run(q, kv_cache, meta, 0.5, num_splits=num_splits, **options)
+        assert torch.equal(got[-2:], torch.zeros_like(got[-2:])), f"seed {seed}"
+        _check(got, q, kv_cache, meta, 0.5, seed, **options)
+    if sliding_window is not None and sliding_window < 64:  # the window really hides keys
+        assert (got - _run(q, kv_cache, meta, 0.5, softcap=softcap)).abs().max() > 0.01
+
+
+@pytest.mark.parametrize("head_dim", [24, 8])
+def test_head_dim_not_a_power_of_two(head_dim):
+    """Phi-3-mini's 96 in small: head_dim padded to a power of two (at least 16) inside the
+    kernels; mixed batches and split decodes."""
+    seed = _seed()
+    case = dict(block_size=16, num_heads=6, num_kv_heads=2, head_dim=head_dim, dtype=torch.float32, seed=seed)
+    q, kv_cache, meta = _random_case(MIXED, **case)
+    _check(_run(q, kv_cache, meta, 0.3), q, kv_cache, meta, 0.3, seed)
+    q, kv_cache, meta = _random_case(SPLIT_DECODES[:4], **case, pad=1)
+    _check(_run(q, kv_cache, meta, 0.3, num_splits=4), q, kv_cache, meta, 0.3, seed)
 
 
 def test_split_count_depends_on_the_batch_shape_only():
@@ -298,6 +333,27 @@ def test_gpu_mixed_batch_matches_reference(num_heads, num_kv_heads, head_dim, bl
     q, kv_cache, meta = _random_case(GPU_MIXED, **case, head_dim=head_dim, dtype=dtype, seed=seed)
     scale = head_dim**-0.5
     _check(_run(q, kv_cache, meta, scale), q, kv_cache, meta, scale, seed)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(
+    "head_dim, sliding_window, softcap", [(256, 100, 50.0), (256, 1000, None), (96, 2047, None), (96, None, None)]
+)
+def test_gpu_gemma_and_phi3_shapes_match_reference(head_dim, sliding_window, softcap, dtype):
+    """Gemma 2's shape (head_dim 256, 8 / 4 heads) and options, Phi-3-mini's head_dim 96 and
+    window: mixed, decode and split decode."""
+    seed = _seed()
+    options = dict(sliding_window=sliding_window, softcap=softcap)
+    case = dict(block_size=16, num_heads=8, num_kv_heads=4, head_dim=head_dim, dtype=dtype, seed=seed)
+    q, kv_cache, meta = _random_case(GPU_MIXED, **case)
+    _check(_run(q, kv_cache, meta, 0.0625, **options), q, kv_cache, meta, 0.0625, seed, **options)
+    decodes = [(1, n) for n in (1, 99, 100, 101, 700, 2000)]
+    q, kv_cache, meta = _random_case(decodes, **case)
+    for num_splits in (1, 4):
+        got = _run(q, kv_cache, meta, 0.0625, num_splits=num_splits, **options)
+        _check(got, q, kv_cache, meta, 0.0625, seed, **options)
 
 
 @pytest.mark.gpu

@@ -357,6 +357,33 @@ def test_qwen3_head_norms_tp2_and_tp2_pp2(tmp_path):
     check_logits(run_ranks(tmp_path / "pp", folder, tp=2, pp=2), folder)
 
 
+def test_tp2_gemma2(tmp_path):
+    """Gemma 2's sliding-window layer 0 (window 12, shorter than both prompts), soft-capped
+    scores and logits, (1 + w) norms, scaled embedding and tied head, on 2 ranks."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "gemma2", seed=10)
+    results = run_ranks(tmp_path, folder, tp=2)
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=1, kv_aligned=True)
+
+
+def test_tp2_phi3_fused_projections(tmp_path):
+    """Phi-3's fused qkv_proj and gate_up_proj: each rank reads only its q, k and v rows and
+    its gate and up rows of them; LongRoPE and a window over every layer."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "phi3", seed=12)
+    results = run_ranks(tmp_path, folder, tp=2)
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=1, kv_aligned=True)
+
+
+def test_tp2_pp2_gemma3(tmp_path):
+    """Gemma 3 on 4 ranks: stage 0 holds the sliding layer (its own RoPE base), stage 1 the
+    global one and the tied head; q/k head norms whole on every rank."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "gemma3", seed=11)
+    results = run_ranks(tmp_path, folder, tp=2, pp=2)
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=2, kv_aligned=True)
+
+
 def test_tp2_pp2_tied_head_on_the_last_stage(tmp_path):
     """4 ranks: stage 0 (embedding + layer 0) sends to stage 1 (layer 1 + head); the last
     stage's head reads its vocab rows from the tied embedding."""
@@ -401,6 +428,9 @@ def test_tp2_smollm2_gguf(tmp_path):
         ("llama", NINE_HEADS | {"vocab_size": 251}, 2, 1),
         ("qwen2", {}, 2, 1),
         ("qwen3", {}, 2, 1),
+        ("gemma2", {}, 2, 1),
+        ("phi3", {}, 2, 1),
+        ("gemma3", {}, 1, 2),
         ("llama_tied", {}, 1, 2),
     ],
 )

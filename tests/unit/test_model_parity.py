@@ -1,7 +1,8 @@
 """The Llama-family model against transformers on the same tiny random checkpoints.
 
 Every kind (GQA Llama untied/tied, Llama-3 and linear RoPE scaling, Qwen2 with q/k/v bias,
-Mistral) runs: a whole-prompt prefill, chunked prefills through a shuffled paged cache followed
+Mistral, Gemma 2 / 3 with sliding windows shorter than the prompts, Phi-3 with LongRoPE and
+fused checkpoint projections, Phi-4-mini's partial RoPE) runs: a whole-prompt prefill, chunked prefills through a shuffled paged cache followed
 by greedy decoding, a packed mixed batch, and a two-stage pipeline split. CPU float32 must
 match transformers (eager attention) within 1e-4; the GPU tests check bf16 within bf16 noise.
 """
@@ -141,12 +142,12 @@ def test_two_stage_pipeline_split_matches_whole_model(tiny):
 # --- RoPE, config, weights, cache ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["llama3_rope", "llama_linear_rope", "llama_yarn_rope"])
+@pytest.mark.parametrize("kind", ["llama3_rope", "llama_linear_rope", "llama_yarn_rope", "phi3", "phi4_mini"])
 def test_rope_inv_freq_matches_transformers(kind):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     hf_config = tiny_hf_config(kind)
-    config = ModelConfig.from_hf_dict(hf_config.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    config = ModelConfig.from_hf_dict(hf_config.to_dict())  # the architecture from model_type
     rope_type = config.rope_scaling["rope_type"]
     want, want_scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     got, scale = rope_parameters(config)
@@ -213,11 +214,80 @@ def test_config_defaults_and_hf_variants():
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
         ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8}},
+         "original_max_position_embeddings"),
+        ({"original_max_position_embeddings": 64, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
+                                                                   "long_factor": [1.0]}}, "needs 8"),
     ],
 )
 def test_config_rejects_bad_input(overrides, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_hf_dict(_llama_dict(**overrides))
+
+
+def _gemma_dict(architecture="Gemma2ForCausalLM", **overrides):
+    return _llama_dict(architectures=[architecture], head_dim=32, query_pre_attn_scalar=24,
+                       sliding_window=16) | overrides
+
+
+def test_gemma_and_phi3_configs():
+    c = ModelConfig.from_hf_dict(_gemma_dict(num_hidden_layers=3))
+    assert c.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (c.layer_window(0), c.layer_window(1), c.hidden_act) == (16, None, "gelu_pytorch_tanh")
+    assert c.max_position_embeddings == 256 and c.is_gemma and not c.qk_norm
+    # transformers 4's Gemma 3 layout: global theta and scaling, a local base, a layer pattern
+    c = ModelConfig.from_hf_dict(_gemma_dict("Gemma3ForCausalLM", num_hidden_layers=4, sliding_window_pattern=3,
+                                             rope_theta=1e6, rope_local_base_freq=1e4,
+                                             rope_scaling={"rope_type": "linear", "factor": 8.0}))
+    assert c.layer_types == ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
+    assert (c.rope_theta, c.local_rope_theta, c.rope_scaling["factor"], c.qk_norm) == (1e6, 1e4, 8.0, True)
+    # Phi-3: "su" is LongRoPE; the context stops where the short factors do; the window slides everywhere
+    c = ModelConfig.from_hf_dict(_llama_dict(
+        architectures=["Phi3ForCausalLM"], original_max_position_embeddings=64, sliding_window=47,
+        rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}))
+    assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["factor"] == 4.0
+    assert c.max_position_embeddings == 64 and c.layer_types == ("sliding_attention",) * 2
+
+
+@pytest.mark.parametrize(
+    "d, message",
+    [
+        (_gemma_dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+        (_gemma_dict("Gemma3ForCausalLM", attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        (_gemma_dict(layer_types=["sliding_attention", "chunked_attention"]), "chunked_attention"),
+        (_gemma_dict(layer_types=["sliding_attention"]), "1 entries for 2 layers"),
+        (_gemma_dict(sliding_window=None), "positive sliding_window"),
+        (_gemma_dict(hidden_activation="gelu"), "hidden_act"),
+        (_gemma_dict(final_logit_softcapping=-1.0), "final_logit_softcapping"),
+        (_gemma_dict("Gemma3ForCausalLM", rope_parameters={
+            "full_attention": {"rope_type": "default"},
+            "sliding_attention": {"rope_type": "linear", "factor": 2.0}}), "sliding-window layers"),
+        (_gemma_dict(partial_rotary_factor=0.5), "Phi3ForCausalLM only"),
+        (_llama_dict(architectures=["Phi3ForCausalLM"], partial_rotary_factor=0.1), "even number"),
+    ],
+)
+def test_gemma_and_phi3_configs_reject_unsupported_settings(d, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_gemma_refuses_deterministic_mode():
+    """Batch-invariant ops (a matmul in the table) would not cover Gemma's torch norms."""
+    from pipeserve.kernels import torch_ops
+    from pipeserve.kernels.reference import matmul_reference
+
+    model = LlamaForCausalLM(ModelConfig.from_hf_dict(tiny_hf_config("gemma2").to_dict()))
+    with pytest.raises(ValueError, match="deterministic mode does not cover Gemma"):
+        model.set_ops(dataclasses.replace(torch_ops(), matmul=matmul_reference))
+
+
+def test_phi3_fused_projection_with_wrong_rows_is_an_error(tmp_path):
+    folder = write_tiny_checkpoint(tmp_path, "phi3")
+    weights = dict(iter_safetensors(folder))
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    weights[name] = weights[name][:-16]
+    with pytest.raises(ValueError, match="qkv_proj.weight has 112 rows, not 128"):
+        LlamaForCausalLM(ModelConfig.from_hf_folder(folder)).load_weights(weights.items())
 
 
 def test_load_hf_model_errors(tmp_path):
@@ -283,10 +353,14 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2"])
-def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kind):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini"])
+def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kind, backend):
+    from pipeserve.kernels import kernel_ops
+
     folder = write_tiny_checkpoint(tmp_path, kind)
     model, _ = load_hf_model(folder, dtype=torch.float32, device="cuda")
+    model.set_ops(kernel_ops(backend, torch.device("cuda")))
     hf = load_hf_reference(folder, device="cuda")
     prompt = _prompt(PROMPT_LEN)
     runner = PagedRunner(model, device="cuda")
@@ -300,7 +374,7 @@ def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kin
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini"])
 def test_gpu_bfloat16_matches_transformers_within_bf16_noise(tmp_path, kind):
     """bf16 error of ours vs the float32 reference is no worse than transformers' own bf16
     error (scaled), and greedy choices mostly agree."""

@@ -13,6 +13,7 @@ from tokenizers import pre_tokenizers, processors
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers_gguf
 from helpers_gguf import (  # noqa: E402
     TINY_LLAMA_CONFIG,
+    sentencepiece_gguf_tokenizer,
     smollm2_checkpoint,
     smollm2_installed,
     tiny_bpe_tokenizer,
@@ -159,6 +160,18 @@ def test_smollm2_chat_template_matches_transformers(ours, reference, messages, a
 
 
 @needs_smollm2
+@pytest.mark.parametrize("last", ["The capital of France is", "  Paris, with spaces around.  ", "Say <|im_end|> here"])
+def test_continue_final_message_matches_transformers(ours, reference, last):
+    """The rendering stops where the last message's content does (its end of turn cut off)."""
+    messages = CONVERSATION[:1] + [{"role": "assistant", "content": last}]
+    text = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+    assert text == reference.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                                 tokenize=False)
+    ids = ours.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True, tokenize=True)
+    assert ours.decode(ids, skip_special_tokens=False) == text  # a special token's text in content stays text
+
+
+@needs_smollm2
 def test_hf_folder_matches_transformers(ours, reference, tmp_path):
     """The GGUF tokenizer saved as an HF folder by transformers, loaded back by both sides."""
     from transformers import AutoTokenizer
@@ -233,7 +246,7 @@ def test_add_bos_token_from_gguf(tmp_path):
 
 def test_unsupported_tokenizers_are_rejected(tmp_path):
     with pytest.raises(ValueError, match="unsupported"):
-        Tokenizer.from_gguf(write_tiny(tmp_path, model="llama"))
+        Tokenizer.from_gguf(write_tiny(tmp_path, model="t5"))
     with pytest.raises(ValueError, match="pre-tokenizer 'mystery'"):
         Tokenizer.from_gguf(write_tiny(tmp_path, pre="mystery"))
 
@@ -400,3 +413,179 @@ def test_incremental_detokenizer_decodes_context_dependent_tokens(tmp_path):
     deltas = [detok.step(t) for t in output]
     assert deltas == _reference_stream(tok.backend, prompt, output)
     assert " " in "".join(deltas)  # spaces between words survive
+
+
+# ---- SentencePiece (Llama 2 / Mistral v0.1 style: "▁", <0xNN> byte fallback, a dummy prefix)
+
+
+SPM_TEXTS = [
+    "Hello world",
+    " x",
+    "  leading spaces and trailing   ",
+    "multiple   spaces\tand\nnewlines\n\n\nend",
+    "   \n  \t  ",
+    "Café naïve résumé Ångström ß",
+    "日本語のテキスト、中文测试。",  # characters the model never saw: byte fallback
+    "emoji 🎉🚀 family 👨‍👩‍👧 flag 🇫🇷",
+    "[INST] What is 2 + 2? [/INST]",
+    "",
+]
+SPM_USER_DEFINED = ("<|im_start|>", "<|im_end|>")
+SPM_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def sp_model() -> bytes:
+    """A real SentencePiece BPE model (byte fallback, dummy prefix, whitespace kept), trained here."""
+    import io
+
+    sentencepiece = pytest.importorskip("sentencepiece")
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS + ["[INST] a question [/INST] an answer"] * 20), model_writer=model,
+        model_type="bpe", vocab_size=420, byte_fallback=True, character_coverage=1.0, add_dummy_prefix=True,
+        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
+        normalization_rule_name="identity", user_defined_symbols=list(SPM_USER_DEFINED), num_threads=1,
+        minloglevel=2,
+    )
+    return model.getvalue()
+
+
+@pytest.fixture(scope="module")
+def sp_processor(sp_model):
+    import sentencepiece
+
+    return sentencepiece.SentencePieceProcessor(model_proto=sp_model)
+
+
+@pytest.fixture(scope="module")
+def spm_gguf(sp_model, tmp_path_factory) -> str:
+    tok = sentencepiece_gguf_tokenizer(sp_model, SPM_USER_DEFINED) | {"chat_template": SPM_TEMPLATE}
+    config = dict(TINY_LLAMA_CONFIG, vocab_size=len(tok["tokens"]))
+    path = str(tmp_path_factory.mktemp("spm") / "spm.gguf")
+    write_tiny_llama_gguf(path, tiny_llama_state_dict(config), config, tokenizer=tok)
+    return path
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_gguf_matches_sentencepiece(spm_gguf, sp_processor, text):
+    """llama.cpp's SPM tokenizer is SentencePiece's: the same ids, byte fallback included."""
+    ours = Tokenizer.from_gguf(spm_gguf)
+    ids = sp_processor.encode(text)
+    assert ours.encode(text, add_special_tokens=False) == ids
+    assert ours.add_bos_token and ours.encode(text) == [sp_processor.bos_id(), *ids]  # llama.cpp's default
+    assert ours.decode([sp_processor.bos_id(), *ids]) == sp_processor.decode(ids) == text
+    # Kept, "<s>" is the first piece, so the dummy prefix's space stays (as transformers decodes).
+    assert ours.decode([sp_processor.bos_id(), *ids], skip_special_tokens=False) == "<s>" + (text and " " + text)
+
+
+def test_sentencepiece_gguf_special_tokens_like_llama_cpp(spm_gguf, sp_processor):
+    """Special and user-defined tokens are matched whole, and the text after each starts with the
+    dummy prefix, as llama.cpp encodes it (each run of text is SentencePiece's own encoding)."""
+    ours = Tokenizer.from_gguf(spm_gguf)
+    text = "<|im_start|>user\nHi 🎉<|im_end|>\n<s>[INST] x"
+    ids = [3]
+    for run in ("user\nHi 🎉", "<|im_end|>", "\n", "<s>", "[INST] x"):
+        ids += [sp_processor.piece_to_id(run)] if run in SPM_USER_DEFINED + ("<s>",) else sp_processor.encode(run)
+    assert ours.encode(text, add_special_tokens=False) == ids
+    assert ours.all_special_ids == [0, 1, 2]  # <unk>, <s>, </s>; user-defined tokens are not special
+    assert ours.eos_token_id == sp_processor.eos_id() and ours.id_to_token(3) == "<|im_start|>"
+    assert ours.decode(ids) == "<|im_start|> user\nHi 🎉<|im_end|> \n [INST] x"  # llama.cpp's prefix spaces
+    prompt = ours.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    assert prompt[0] == 3 and ours.decode(prompt) == "<|im_start|> user\nHi<|im_end|> \n<|im_start|> assistant\n"
+
+
+def test_sentencepiece_gguf_matches_transformers_where_it_agrees_with_llama_cpp(spm_gguf):
+    """transformers' GGUF converter prepends "▁" at the very start only, and splits runs of
+    leading spaces differently from SentencePiece; elsewhere it is the same tokenizer."""
+    if _transformers_version() < (5, 24):
+        pytest.skip("this transformers' GGUF tokenizer converter predates the reference behaviour")
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_gguf(spm_gguf)
+    reference = AutoTokenizer.from_pretrained(os.path.dirname(spm_gguf), gguf_file=os.path.basename(spm_gguf))
+    for text in SPM_TEXTS:
+        if not text[:1].isspace():
+            assert ours.encode(text) == reference.encode(text), text
+            assert ours.decode(ours.encode(text)) == reference.decode(reference.encode(text), skip_special_tokens=True)
+
+
+def _spm_hf_folder(path: Path, tokenizer_json: str, tokenizer_class: str, **config) -> Path:
+    path.mkdir()
+    (path / "tokenizer.json").write_text(tokenizer_json)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": tokenizer_class, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "add_bos_token": True, "add_eos_token": False, "chat_template": SPM_TEMPLATE, **config,
+    }))
+    return path
+
+
+@pytest.fixture(scope="module")
+def spm_hf_folders(sp_model, spm_gguf, tmp_path_factory) -> dict[str, Path]:
+    """HF folders of the trained model, as published Llama 2 / Mistral v0.1 folders are made:
+    transformers' conversion of tokenizer.model (Metaspace pre-tokenizer, legacy or not), and the
+    older Llama 2 shape (Prepend + Replace normalizers, no pre-tokenizer) with a BOS post-processor."""
+    pytest.importorskip("google.protobuf")  # transformers reads tokenizer.model through it
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("spm_hf")
+    folders = {}
+    for legacy in (True, False):
+        source = root / f"source_{legacy}"
+        source.mkdir()
+        (source / "tokenizer.model").write_bytes(sp_model)
+        (source / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "LlamaTokenizer", "legacy": legacy, "bos_token": "<s>", "eos_token": "</s>",
+            "unk_token": "<unk>", "add_bos_token": True}))
+        converted = AutoTokenizer.from_pretrained(source).backend_tokenizer.to_str()
+        # transformers' LlamaTokenizer sets its Metaspace from `legacy`, whatever tokenizer.json says.
+        folders[f"metaspace_legacy_{legacy}"] = _spm_hf_folder(root / f"legacy_{legacy}", converted,
+                                                               "LlamaTokenizer", legacy=legacy)
+    backend = Tokenizer.from_gguf(spm_gguf).backend
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folders["prepend_normalizer"] = _spm_hf_folder(root / "prepend", backend.to_str(), "PreTrainedTokenizerFast")
+    return folders
+
+
+@pytest.mark.parametrize("kind", ["metaspace_legacy_True", "metaspace_legacy_False", "prepend_normalizer"])
+def test_sentencepiece_hf_folder_matches_transformers(spm_hf_folders, kind):
+    from transformers import AutoTokenizer
+
+    folder = spm_hf_folders[kind]
+    ours = Tokenizer.from_hf_folder(str(folder))
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert ours.add_bos_token and ours.bos_token_id == 1 and ours.eos_token_ids == (2,)
+    for text in SPM_TEXTS + ["<|im_start|>user\nHi 🎉<|im_end|>\n<s>[INST] x"]:
+        ids = ours.encode(text)
+        assert ids == reference.encode(text), text
+        assert ours.encode(text, add_special_tokens=False) == reference.encode(text, add_special_tokens=False)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == reference.decode(ids, skip_special_tokens=skip)
+    messages = CONVERSATION[:2]
+    ref_ids = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert ours.apply_chat_template(messages, tokenize=True) == (
+        ref_ids["input_ids"] if hasattr(ref_ids, "keys") else ref_ids)
+
+
+def test_sentencepiece_model_without_tokenizer_json_is_a_clear_error(sp_model, tmp_path):
+    (tmp_path / "tokenizer.model").write_bytes(sp_model)
+    with pytest.raises(ValueError, match="tokenizer.model but no tokenizer.json; convert it once"):
+        Tokenizer.from_hf_folder(str(tmp_path))
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_incremental_detokenizer_on_sentencepiece(spm_gguf, skip_special_tokens):
+    """Byte-fallback pieces of one character are held back until it completes; the first output
+    token's "▁" is a space after the prompt (the window starts on its last tokens)."""
+    tok = Tokenizer.from_gguf(spm_gguf)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=True)
+    text = "Hello 👍 中文 world<|im_end|>\n</s>"  # 👍 and 中文: byte fallback
+    output = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip_special_tokens)
+    deltas = [detok.step(t) for t in output]
+    assert deltas == _reference_stream(tok.backend, prompt, output, skip_special_tokens)
+    assert deltas[0] == " Hello" and "" in deltas and all("\ufffd" not in d for d in deltas)
+    assert detok.text == "".join(deltas) == (" Hello 👍 中文 world<|im_end|> \n" +
+                                              ("" if skip_special_tokens else "</s>"))
+    assert detok.flush() == ""
