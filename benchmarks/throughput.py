@@ -30,6 +30,10 @@ LLAMA3_8B = dict(
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
     torch_dtype="bfloat16", bos_token_id=50256, eos_token_id=50256,
 )
+JSON_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
+                                               "items": {"type": "array", "items": {"type": "string"}}},
+               "required": ["title", "items"]}
+"""--json-fraction's schema: strings and a list of them, so an answer may run long."""
 WORKLOADS = {  # name: (requests, prompt range, output tokens)
     "uniform": (256, (128, 2048), 256),
     "decode-heavy": (128, (1000, 1200), 1700),
@@ -68,6 +72,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--token-feedback", choices=("auto", "on", "off"), default="auto",
                    help="parallel.token_feedback (auto: the tree's default)")
     p.add_argument("--rounds", type=int, default=1, help="timed runs of the workload, one after another")
+    p.add_argument("--penalties", action="store_true",
+                   help="every request with presence 0.5, frequency 0.5 and repetition 1.1 penalties")
+    p.add_argument("--json-fraction", type=float, default=0.0,
+                   help="this fraction of the requests under a JSON schema (structured outputs; they stop where it ends)")
     p.add_argument("--no-warmup", action="store_true",
                    help="no untimed round first: the first timed round is the first work after start-up")
     args = p.parse_args(argv)
@@ -78,7 +86,15 @@ def main(argv: list[str] | None = None) -> dict:
     num_requests = args.num_requests or num_requests
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(50000) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True, **penalties)
+    if args.json_fraction:  # every round's same requests, spread evenly over the list
+        from pipeserve import StructuredOutputsParams
+
+        constrained = SamplingParams(temperature=0, max_tokens=out_len, **penalties,
+                                     structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
+        every = round(1 / args.json_fraction)
+        params = [constrained if i % every == 0 else params for i in range(num_requests)]
     folder = model_folder(args.tokenizer, args.num_layers)
     extra = {} if args.token_feedback == "auto" else {"token_feedback": args.token_feedback == "on"}
     t0 = time.perf_counter()
@@ -103,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"workload": args.workload, "tp": args.tp, "pp": args.pp, "requests": num_requests,
               "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
               "output_tok_s": round(out_tokens / wall, 1), "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1),
-              "start_s": round(start_s, 1), "token_feedback": args.token_feedback}
+              "start_s": round(start_s, 1), "token_feedback": args.token_feedback,
+              "penalties": args.penalties, "json_fraction": args.json_fraction}
     if args.rounds > 1 or args.no_warmup:  # each round: total tokens/s and mean TTFT (s; None where not recorded)
         result["rounds"] = [{"total_tok_s": round((prompt_tokens + out_tokens) / w, 1),
                              "mean_ttft_s": None if t is None else round(t, 4)} for w, t in rounds]

@@ -1,6 +1,8 @@
-"""`pipeserve <command> [hydra overrides...]`.
+"""`pipeserve <command> [MODEL] [flags] [hydra overrides...]`.
 
-Each command is a Hydra app (configs/<command>.yaml). A user error (an unknown key, a value of
+Each command is a Hydra app (configs/<command>.yaml); vLLM's flags (launch/flags.py) become
+overrides first. `pipeserve bench serve` is no Hydra app: an HTTP load client
+(launch/bench_serve.py). A user error (an unknown key, a value of
 the wrong type or out of range, a model path that does not exist) stops it with one line on
 stderr, ``pipeserve <command>: error: <message>``, and exit code 2, before any model loads; any
 other exception is a bug and keeps its traceback.
@@ -20,7 +22,8 @@ _COMMANDS = {
     # command: (module, config name, help)
     "generate": ("pipeserve.launch.generate", "generate", "offline generation (default: the embedded SmolLM2)"),
     "serve": ("pipeserve.launch.serve", "serve", "OpenAI-compatible HTTP server (default: 127.0.0.1:8000)"),
-    "bench": ("pipeserve.launch.bench", "bench", "run a workload through the engine and measure it"),
+    "bench": ("pipeserve.launch.bench", "bench", "run a workload through the engine and measure it "
+              "(bench serve: load an HTTP server)"),
     "sweep": ("pipeserve.launch.bench", "bench", "bench --multirun: each point in its own process, one table"),
     "profile": ("pipeserve.launch.profile", "profile", "measure the scheduler's cost model on this device"),
 }
@@ -45,17 +48,24 @@ _ENGINE_BLOCKS = ("engine", "scheduler", "parallel")
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
-        print("usage: pipeserve <command> [key=value ...]\n\ncommands:")
+        print("usage: pipeserve <command> [MODEL] [flags] [key=value ...]   (pipeserve <command> --help: its flags)"
+              "\n\ncommands:")
         for name, (_, _, doc) in _COMMANDS.items():
             print(f"  {name:10s} {doc}")
         sys.exit(0 if not argv or argv[0] in ("-h", "--help") else 2)
     command, args = argv[0], argv[1:]
     module_name, config_name, _ = _COMMANDS[command]
+    if command == "bench" and args[:1] == ["serve"]:  # an HTTP load client: no Hydra, no engine
+        from pipeserve.launch import bench_serve
+
+        return _or_fail("bench serve", lambda: bench_serve.main(args[1:]))
+    from pipeserve.launch import flags
+
+    defaults = config_defaults(config_name) if {"-h", "--help"} & set(args) else None
+    args = _or_fail(command, lambda: flags.to_overrides(command, args, defaults=defaults))
     module = importlib.import_module(module_name)
     if command == "sweep" and "--multirun" not in args and "-m" not in args:
         args = ["--multirun", *args]
-    if command == "serve":
-        args = module.flags_to_overrides(args)
     # Hydra reads sys.argv itself: hand it the command's own arguments.
     sys.argv = [f"pipeserve {command}", *args]
     run(command, config_name, module.main.__wrapped__)  # the app's function, without its @hydra.main
@@ -173,6 +183,38 @@ def config_keys(config_name: str) -> list[str]:
                 yield f"{prefix}{k}"
 
     return list(walk(cfg, ""))
+
+
+def config_defaults(config_name: str) -> dict:
+    """The command's default config for --help: every dotted key -> its value (unresolved, so
+    that no secret from the environment is shown), and each config group -> its choice."""
+    from hydra import compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="pipeserve.configs", version_base=None):
+        cfg = compose(config_name=config_name, return_hydra_config=True)
+    choices = OmegaConf.to_container(cfg.hydra.runtime.choices)
+    values = OmegaConf.to_container(cfg, resolve=False)
+    values.pop("hydra")
+
+    def walk(node: dict, prefix: str):
+        for k, v in node.items():
+            if isinstance(v, dict) and v:
+                yield from walk(v, f"{prefix}{k}.")
+            else:
+                yield f"{prefix}{k}", "null" if v is None else v
+
+    return {**dict(walk(values, "")), **{k: v for k, v in choices.items() if not k.startswith("hydra")}}
+
+
+def _or_fail(command: str, step):
+    """``step()``; a FlagError or ValueError (a user's mistake) as one line and exit 2."""
+    try:
+        return step()
+    except ValueError as e:
+        _fail(command, str(e))
 
 
 def _is_multirun() -> bool:

@@ -4,13 +4,12 @@ The frontend (this process: HTTP, tokenization, chat templates) starts the engin
 which starts tp × pp torchrun workers itself when parallel.tp × parallel.pp > 1. Started under
 torchrun itself (one node or several: launch/slurm/serve_multinode.sbatch), global rank 0 runs
 the frontend in a child process and every rank serves as a worker (launch/multinode.py).
-`--api-key KEY`, `--api-key-file PATH`, `--host H` and `--port P` are accepted as shorthands for
-`server.*=`.
+vLLM's flags (`--port P`, `--api-key-file PATH`, `-tp 2`, ...; launch/flags.py) are accepted
+beside the overrides.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 
 import hydra
@@ -19,9 +18,6 @@ from omegaconf import DictConfig
 from pipeserve.launch.generate import engine_config, from_block
 from pipeserve.runtime.engine import spmd
 from pipeserve.runtime.serving.api_server import ServerConfig, run, with_api_key_from_file
-
-_FLAGS = {"--api-key": "server.api_key", "--api-key-file": "server.api_key_file", "--host": "server.host",
-          "--port": "server.port"}
 
 
 def server_config(cfg: DictConfig) -> ServerConfig:
@@ -41,32 +37,11 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
-def flags_to_overrides(argv: list[str]) -> list[str]:
-    """The command line with ``--api-key``, ``--api-key-file``, ``--host`` and ``--port`` as Hydra overrides."""
-    out, i = [], 0
-    while i < len(argv):
-        name, eq, value = argv[i].partition("=")
-        if name in _FLAGS:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise SystemExit(f"{name} needs a value")
-                i, value = i + 1, argv[i + 1]
-            out.append(f"{_FLAGS[name]}={value}" if name == "--port" else f"{_FLAGS[name]}={_quoted(value)}")
-        else:
-            out.append(argv[i])
-        i += 1
-    return out
-
-
-def _quoted(value: str) -> str:
-    """A Hydra quoted string (taken as a string whatever it looks like): backslashes before a
-    quote or at the end are doubled, then quotes escaped (Hydra's override grammar)."""
-    value = re.sub(r"(\\+)(?='|$)", lambda m: m.group(1) * 2, value)
-    return "'" + value.replace("'", "\\'") + "'"
-
-
-
-
 if __name__ == "__main__":
-    sys.argv = [sys.argv[0], *flags_to_overrides(sys.argv[1:])]
+    from pipeserve.launch.flags import FlagError, to_overrides
+
+    try:
+        sys.argv = [sys.argv[0], *to_overrides("serve", sys.argv[1:])]
+    except FlagError as e:
+        raise SystemExit(f"pipeserve serve: error: {e}") from None
     main()

@@ -25,7 +25,7 @@ import msgspec
 
 from pipeserve.scheduler.sampling_params import SamplingParams
 
-WIRE_VERSION = 5
+WIRE_VERSION = 6
 """Bumped on every incompatible change of any message below."""
 
 ENGINE_RANK = -1
@@ -51,6 +51,9 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     which stage 0 receives from the last stage (``parallel/feedback.py``). Exactly one of ``block_table`` (full
     table: the workers have not seen this request, or it restarted after preemption) and
     ``block_table_diff`` (blocks appended since the last plan) is set; see ``BlockTableMirror``.
+    ``sampling`` is set where the sequence samples, and on every chunk of a request whose
+    penalties count its prompt too (``repetition_penalty``): the sampling worker keeps the
+    tokens of such a request (``runtime/worker/penalties.py``).
     """
 
     request_id: str
@@ -187,7 +190,8 @@ class AbortRequest(_Message, frozen=True, kw_only=True):
 
 
 class RequestTimings(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A finished request's latencies in seconds, measured by the engine from its arrival."""
+    """A finished request's latencies in seconds, measured by the engine from its arrival, and
+    its token counts."""
 
     queue_s: float | None
     """Arrival to first scheduled (scheduling delay); None if never scheduled."""
@@ -197,6 +201,10 @@ class RequestTimings(msgspec.Struct, frozen=True, kw_only=True, array_like=True)
     """Arrival to finish."""
     tbt_s: list[float] = []
     """Gaps between consecutive output tokens (time between tokens)."""
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV the prefix cache held at the request's first admission."""
 
 
 class RequestUpdate(_Message, frozen=True, kw_only=True):
@@ -255,6 +263,12 @@ class EngineStats(_Message, frozen=True, kw_only=True):
     num_rejected: int = 0
     """Control-plane connections refused (they did not hold the run's key) and frames dropped
     as malformed, on the engine's sockets and its workers', since the engine started."""
+    num_preemptions: int = 0
+    """Requests preempted (to be recomputed) since the engine started."""
+    num_prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache at first admissions since the engine started."""
+    num_prefix_cache_hits: int = 0
+    """Of those, tokens the cache held."""
 
 
 Message = Union[

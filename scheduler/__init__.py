@@ -8,7 +8,7 @@ from .block_manager import BlockManager
 from .config import SchedulerConfig, SchedulerLimits
 from .cost_model import CostModel, Work
 from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, StructuredOutputsParams
 from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 
 __all__ = [
@@ -22,5 +22,6 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerLimits",
     "SchedulerOutput",
+    "StructuredOutputsParams",
     "Work",
 ]

@@ -333,26 +333,16 @@ def _dump(path: str, data) -> None:
 
 def format_table(result: dict) -> str:
     """The printed summary: one line per metric, one row per stage."""
-    r, thr = result, result["throughput"]
-
-    def ms(d: dict, key: str) -> str:
-        return "-" if d.get(key) is None else f"{d[key] * 1e3:.1f}"
-
+    r = result
     lines = [f"pipeserve bench · {r['workload']['name']} · {r['config']['scheduler']['policy']}"
              f" · tp={r['config']['parallel']['tp']} pp={r['config']['parallel']['pp']} · {r['device']}",
-             f"requests {r['num_requests']}   wall {thr['wall_s']:.2f} s   {_num(thr['requests_per_s'])} req/s"
-             f"   {_num(thr['output_tokens_per_s'])} output tok/s   {_num(thr['total_tokens_per_s'])} total tok/s",
-             "| metric (ms) | mean | P50 | P90 | P99 | max |", "|---|---|---|---|---|---|"]
-    for name, key in (("TTFT", "ttft_s"), ("TBT", "tbt_s"), ("end-to-end", "e2e_s"),
-                      ("scheduling delay", "scheduling_delay_s")):
-        d = r[key]
-        lines.append(f"| {name} | " + " | ".join(ms(d, k) for k in ("mean", "p50", "p90", "p99", "max")) + " |")
+             *M.format_latency_table(r)]
     lines += ["", "| stage | rank | steps | busy s | recv wait s | idle s | bubble | while loaded"
               " | while prompts wait | step CV |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in r["stages"]:
         lines.append(f"| {s['stage']} | {s['rank']} | {s['num_steps']} | {s['busy_s']:.2f} | {s['recv_wait_s']:.2f}"
                      f" | {s['idle_s']:.2f} | {_pct(s['bubble_fraction'])} | {_pct(s.get('bubble_fraction_loaded'))}"
-                     f" | {_pct(s.get('bubble_fraction_saturated'))} | {_num(s['step_time_cv'])} |")
+                     f" | {_pct(s.get('bubble_fraction_saturated'))} | {M.format_number(s['step_time_cv'])} |")
     eff = r["efficiency"]
     pre = r["prefill"]
     ideal = f", ideal {_pct(pre['ideal_saved_fraction'])}" if "ideal_saved_fraction" in pre else ""
@@ -360,8 +350,8 @@ def format_table(result: dict) -> str:
                  f" {pre['prefill_tokens_computed']} computed: {_pct(pre['saved_fraction'])} saved{ideal}"
                  f" (prefix cache hit rate {_pct(pre['cache_hit_rate'])},"
                  f" {pre['cache_evictions']} evictions)")
-    lines.append(f"prefill {_num(eff['prefill_tflops'])} TFLOP/s (MFU {_pct(eff['prefill_mfu'])}),"
-                 f" decode {_num(eff['decode_gb_per_s'])} GB/s (MBU {_pct(eff['decode_mbu'])}),"
+    lines.append(f"prefill {M.format_number(eff['prefill_tflops'])} TFLOP/s (MFU {_pct(eff['prefill_mfu'])}),"
+                 f" decode {M.format_number(eff['decode_gb_per_s'])} GB/s (MBU {_pct(eff['decode_mbu'])}),"
                  f" decode stalls {r['num_decode_stalls']}, preemptions {r['num_preemptions']}")
     if cap := r.get("capacity"):
         lines.append(f"capacity {cap['capacity_rps']:.3f} req/s under P99 TBT <= {cap['tbt_p99_slo_s'] * 1e3:g} ms"
@@ -372,10 +362,6 @@ def format_table(result: dict) -> str:
 
 def _pct(x) -> str:
     return "-" if x is None else f"{x:.1%}"
-
-
-def _num(x) -> str:
-    return "-" if x is None else f"{x:.3g}"
 
 
 # ---- capacity ---------------------------------------------------------------------------------

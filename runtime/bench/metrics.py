@@ -102,14 +102,23 @@ class RequestTimes:
         t = self.token_times
         return [b - a for a, b in zip(t, t[1:])]
 
+    @property
+    def tpot(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT): the decode time over the tokens
+        it made, whether they arrived one by one or several at once; None for one token."""
+        if self.num_output_tokens < 2:
+            return None
+        return (self.finished - self.first_token) / (self.num_output_tokens - 1)
+
 
 def request_summary(requests: Sequence[RequestTimes], wall_s: float) -> dict:
-    """TTFT, TBT, end-to-end latency and scheduling delay distributions; throughput."""
+    """TTFT, TPOT, TBT, end-to-end latency and scheduling delay distributions; throughput."""
     prompt = sum(r.num_prompt_tokens for r in requests)
     output = sum(r.num_output_tokens for r in requests)
     return {
         "num_requests": len(requests),
         "ttft_s": distribution(r.ttft for r in requests),
+        "tpot_s": distribution(r.tpot for r in requests if r.tpot is not None),
         "tbt_s": distribution(x for r in requests for x in r.tbts),
         "e2e_s": distribution(r.e2e for r in requests),
         "scheduling_delay_s": distribution(r.scheduling_delay for r in requests),
@@ -122,6 +131,29 @@ def request_summary(requests: Sequence[RequestTimes], wall_s: float) -> dict:
             "output_tokens": output,
         },
     }
+
+
+def format_latency_table(summary: Mapping) -> list[str]:
+    """The throughput line and the latency table (ms) of a ``request_summary``, as `pipeserve
+    bench` and `pipeserve bench serve` print them; a distribution without values shows "-"."""
+    thr = summary["throughput"]
+
+    def ms(d: Mapping, key: str) -> str:
+        return "-" if d.get(key) is None else f"{d[key] * 1e3:.1f}"
+
+    lines = [f"requests {summary['num_requests']}   wall {thr['wall_s']:.2f} s"
+             f"   {format_number(thr['requests_per_s'])} req/s   {format_number(thr['output_tokens_per_s'])} output tok/s"
+             f"   {format_number(thr['total_tokens_per_s'])} total tok/s",
+             "| metric (ms) | mean | P50 | P90 | P99 | max |", "|---|---|---|---|---|---|"]
+    for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("TBT", "tbt_s"), ("end-to-end", "e2e_s"),
+                      ("scheduling delay", "scheduling_delay_s")):
+        d = summary[key]
+        lines.append(f"| {name} | " + " | ".join(ms(d, k) for k in ("mean", "p50", "p90", "p99", "max")) + " |")
+    return lines
+
+
+def format_number(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 # ---- stages ------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ class PlanBuilder:
             block_table=full,
             block_table_diff=diff,
             needs_sample=s.needs_sample,
-            sampling=None if sample is None else sample.params,
+            sampling=_sampling_of(s, sample),
             num_output_tokens=0 if sample is None else sample.num_output_tokens,
             feed_step=s.feed_step,
         )
@@ -91,6 +91,15 @@ class PlanBuilder:
         self._freed.append(request_id)
         self._differ.forget(request_id)
         self._restarts.pop(request_id, None)
+
+
+def _sampling_of(s, sample: SampleRequest | None) -> SamplingParams | None:
+    """A sequence's SamplingParams where it samples, and on every chunk of a request whose
+    repetition penalty counts its prompt too: the sampling worker keeps its tokens."""
+    if sample is not None:
+        return sample.params
+    params = s.request.sampling_params
+    return params if params is not None and params.repetition_penalty != 1.0 else None
 
 
 class InProcessExecutor:

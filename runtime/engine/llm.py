@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
 from pipeserve.runtime.model import hub
 from pipeserve.runtime.engine.llm_engine import LLMEngine
-from pipeserve.runtime.engine.outputs import CompletionOutput, RequestOutput, RequestOutputKind
-from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.engine.outputs import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
+from pipeserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from pipeserve.scheduler import SchedulerConfig
 from pipeserve.scheduler.prefix_tree import group_by_prefix, schedule_order
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 Prompt = str | list[int]
 Conversation = list[dict[str, str]]
@@ -146,7 +146,11 @@ class LLM:
         for i in order:
             ids[i] = self._add(prompts[i], params[i])
         finished = self._run_to_completion(sum(len(g) for g in ids), use_tqdm)
-        return [_merge([finished[rid] for rid in g]) for g in ids]
+        outputs = [_merge([finished[rid] for rid in g]) for g in ids]
+        for out, sp in zip(outputs, params):
+            for c in out.outputs:
+                _as_vllm_logprobs(c, sp.logprobs, self.engine.tokenizer)
+        return outputs
 
     def _grouping(self, requested: bool | None) -> bool:
         sched = self.engine.config.scheduler
@@ -219,6 +223,22 @@ def _prefix_order(checked, params: list[SamplingParams], *, block_size: int) -> 
     prompt_ids = [ids for _, ids, _ in checked]
     decode_tokens = [max_tokens * sp.n for (_, _, max_tokens), sp in zip(checked, params)]
     return schedule_order(group_by_prefix(prompt_ids, decode_tokens, block_size=block_size))
+
+
+def _as_vllm_logprobs(c: CompletionOutput, k: int | None, tokenizer) -> None:
+    """vLLM's offline logprobs: a ``Logprob`` (ranked, decoded) per entry, and the sampled
+    tokens' sum as ``cumulative_logprob``. An entry holds the top ``k`` and the sampled token
+    (``k + 1`` entries when it is not among them: then its rank is unknown)."""
+    if c.logprobs is None or k is None:
+        return
+    ranked = []
+    for token, lp in zip(c.token_ids, c.logprobs):
+        order = sorted(lp, key=lambda t: -lp[t])
+        ranks = {t: r for r, t in enumerate(order[:k], start=1)}
+        ranked.append({t: Logprob(v, ranks.get(t), tokenizer.token_text(t, skip_special_tokens=False))
+                       for t, v in lp.items()})
+    c.logprobs = ranked
+    c.cumulative_logprob = sum(lp[t] for t, lp in zip(c.token_ids, ranked))
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:

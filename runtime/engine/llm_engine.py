@@ -31,6 +31,7 @@ from pipeserve.runtime.engine.outputs import CompletionOutput, RequestMetrics, R
 from pipeserve.runtime.engine.stop import check_stop
 from pipeserve.runtime.model.loader import LoadedModel, read_config_and_tokenizer
 from pipeserve.runtime.model.tokenizer import IncrementalDetokenizer
+from pipeserve.runtime.worker.grammar import GrammarCompiler
 from pipeserve.runtime.worker.worker import Worker
 from pipeserve.scheduler import (
     CostModel, Request, RequestStatus, SamplingParams, Scheduler, SchedulerLimits, SchedulerOutput,
@@ -133,6 +134,7 @@ class LLMEngine:
             self.executor.close()
             raise
         self._requests: dict[str, _RequestState] = {}
+        self._grammars: GrammarCompiler | None = None  # built on the first structured-output request
         self._unscheduled: set[str] = set()  # requests without first_scheduled_time yet
         self._in_flight: deque[SchedulerOutput] = deque()
         self._ids = itertools.count()
@@ -150,11 +152,24 @@ class LLMEngine:
         return str(next(self._ids))
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
-        """Checks one request without changing anything; returns (text, token ids, max_tokens)."""
-        return validate_request(
+        """Checks one request without changing anything; returns (text, token ids, max_tokens).
+        A structured-output constraint is compiled here (a bad one is a ValueError), so the
+        sampling worker later finds it in its compiler's cache (one device) or compiles a spec
+        known to be good (torchrun)."""
+        checked = validate_request(
             prompt, params, tokenizer=self.tokenizer, vocab_size=self.model_config.vocab_size,
             max_model_len=self.state.max_model_len,
         )
+        if params.structured_outputs is not None:
+            self._grammar_compiler().compile(params.structured_outputs)
+        return checked
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self._grammars is None:
+            worker = getattr(self.executor, "worker", None)  # one device: share the worker's cache
+            self._grammars = worker.grammar_compiler if worker is not None else GrammarCompiler(
+                self.tokenizer, vocab_size=self.model_config.vocab_size, eos_token_ids=self.state.eos_token_ids)
+        return self._grammars
 
     def add_request(
         self,
@@ -170,6 +185,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids, max_tokens = self.validate(prompt, params)
+        params = resolve_bad_words(params, self.tokenizer, vocab_size=self.model_config.vocab_size)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.scheduler.add_request(
             Request(request_id, ids, arrival_time=arrival, sampling_params=params, max_output_tokens=max_tokens)
@@ -251,7 +267,9 @@ class LLMEngine:
         for s in plan.scheduled:
             if s.request_id in self._unscheduled:
                 self._unscheduled.remove(s.request_id)
-                self._requests[s.request_id].metrics.first_scheduled_time = now
+                metrics = self._requests[s.request_id].metrics
+                metrics.first_scheduled_time = now
+                metrics.num_cached_tokens = s.num_computed_tokens  # the prefix-cache hit it starts from
 
     def _postprocess(self, req: Request, logprobs: dict[int, float] | None, now: float) -> RequestOutput | None:
         """Takes the request's new token; its output, or None while a FINAL_ONLY one runs."""
@@ -329,6 +347,10 @@ def validate_request(
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
     if any(t >= vocab_size for t in params.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), the model's vocabulary")
+    if any(t >= vocab_size for t in params.logit_bias or ()):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), the model's vocabulary")
+    if any(t >= vocab_size for t in params.allowed_token_ids or ()):
+        raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}), the model's vocabulary")
     if params.top_k > vocab_size:
         raise ValueError(f"top_k must be at most the vocabulary size ({vocab_size}), got {params.top_k}")
     if len(ids) >= max_model_len:
@@ -341,6 +363,24 @@ def validate_request(
             f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len ({max_model_len})"
         )
     return text, ids, max_tokens
+
+
+def resolve_bad_words(params: SamplingParams, tokenizer, *, vocab_size: int) -> SamplingParams:
+    """``params`` with its ``bad_words`` as token ids for the sampler (vLLM's
+    ``update_from_tokenizer``): each word's tokens as it would start the text, and as it would
+    follow a space where that gives other tokens of the same count (a word mid-text)."""
+    if not params.bad_words or params._bad_words_token_ids is not None:
+        return params
+    sequences: list[list[int]] = []
+    for word in params.bad_words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    if any(t >= vocab_size for ids in sequences for t in ids):
+        raise ValueError(f"bad_words hold tokens outside the model's vocabulary ({vocab_size})")
+    return params.clone(_bad_words_token_ids=sequences)
 
 
 def _resolve_max_model_len(requested: int | None, model_limit: int) -> int:

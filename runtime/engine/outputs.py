@@ -16,6 +16,30 @@ class RequestOutputKind(enum.Enum):
     (non-streaming requests), which then cost no output per token."""
 
 
+class Logprob(float):
+    """vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1 = the most likely token; None for a sampled
+    token outside the top ``logprobs`` returned, whose rank is not computed) and
+    ``.decoded_token``. It is also the float it holds, so code written for plain logprobs keeps
+    working."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    def __reduce__(self):
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
 # The engine builds CompletionOutput and RequestOutput with positional arguments, once per
 # request per step: keep their fields in this order.
 
@@ -26,8 +50,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} (Logprob offline)
     stop_reason: int | str | None = None  # the stop string or token id that ended it, if any
+    cumulative_logprob: float | None = None  # offline, with logprobs: the sum of the sampled tokens'
 
     @property
     def finished(self) -> bool:
@@ -43,6 +68,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished_time: float | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefix cache served at the first scheduling (vLLM's num_cached_tokens)."""
 
 
 @dataclass(slots=True)

@@ -5,9 +5,11 @@
 The frontend tokenizes (chat templates included), validates every request exactly as the
 engine will, applies admission control and streams what the engine process sends back
 (``runtime.frontend``). Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/v1/requests/{id}/cancel``, ``/health``, ``/metrics`` and ``/openapi.json`` (the request
-bodies' schemas and each route's error statuses); with an API key every route but ``/health``
-wants ``Authorization: Bearer <key>``. SIGTERM (or Ctrl-C) stops accepting
+``/v1/requests/{id}/cancel``, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, a 404 at
+``/v1/embeddings``, ``/health``, ``/metrics`` and ``/openapi.json`` (the request bodies' schemas
+and each route's error statuses); with an API key every route but ``/health`` wants
+``Authorization: Bearer <key>``. Every answer carries the request's ``X-Request-Id``; CORS and
+HTTPS follow the ``ServerConfig``. SIGTERM (or Ctrl-C) stops accepting
 connections, lets in-flight requests finish, stops the engine and returns 0.
 """
 
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
+import itertools
 import json
 import logging
 import os
@@ -29,8 +32,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache, partial
 
+import jinja2
+import jinja2.sandbox
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic.json_schema import models_json_schema
@@ -44,11 +50,16 @@ from pipeserve.runtime.engine.llm_engine import validate_request
 from pipeserve.runtime.serving.frontend import AsyncEngineClient, Delta, EngineProcess
 from pipeserve.runtime.model import hub
 from pipeserve.runtime.model.loader import read_config_and_tokenizer, resolve_model_path
+from pipeserve.runtime.worker.grammar import GrammarCompiler
 from pipeserve.runtime.serving.openai_protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ErrorResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    ignored_fields,
     parse,
 )
 from pipeserve.scheduler.sampling_params import SamplingParams
@@ -94,6 +105,21 @@ class ServerConfig:
     log_level: str = "warning"
     """uvicorn's; at warning nothing precedes the server's own ready line."""
     access_log: bool = False
+    chat_template: str | None = None
+    """A Jinja chat template, or a file holding one, used instead of the tokenizer's."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """CORS: origins whose web pages may read the answers; none by default (vLLM's is any,
+    ``["*"]``: then any page the user opens could use a key-less local server)."""
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    """CORS: methods those pages may use."""
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    """CORS: request headers those pages may send."""
+    allow_credentials: bool = False
+    """CORS: may those pages send cookies or HTTP authentication."""
+    ssl_keyfile: str | None = None
+    """With ``ssl_certfile``: serve HTTPS with this private key (PEM)."""
+    ssl_certfile: str | None = None
+    """With ``ssl_keyfile``: serve HTTPS with this certificate chain (PEM)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -111,17 +137,24 @@ class ServerConfig:
         if (self.drain_timeout_s <= 0 or self.engine_start_timeout_s <= 0 or self.stats_interval_s <= 0
                 or self.body_timeout_s <= 0):
             raise ValueError("server timeouts and intervals must be > 0")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("set both server.ssl_keyfile and server.ssl_certfile (HTTPS), or neither")
 
 
 @dataclass(slots=True)
 class _Job:
-    """One HTTP request's sequences in the engine (choice index = position in request_ids)."""
+    """One HTTP request's sequences in the engine (choice index = position in request_ids).
+    ``response_id`` is what the client sees (two requests may send the same X-Request-Id);
+    ``key`` is unique over the server's life and prefixes the engine's request ids, so a late
+    update of an earlier job with the same X-Request-Id never reaches this one."""
 
     response_id: str
+    key: str
     request_ids: list[str]
     queue: asyncio.Queue
     num_prompt_tokens: int
     num_logprobs: int | None
+    seqs_per_prompt: int = 1
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -136,8 +169,20 @@ class OpenAIServing:
                  model_name: str, metrics: ServerMetrics) -> None:
         self.config, self.client, self.tokenizer = config, client, tokenizer
         self.info, self.model_name, self.metrics = engine_info, model_name, metrics
-        self.jobs: dict[str, _Job] = {}
+        self._grammars: GrammarCompiler | None = None
+        self.jobs: dict[str, _Job] = {}  # by key
         self.draining = False
+        self._ignored_fields: set[str] = set()  # unknown request fields already logged
+        self._job_numbers = itertools.count()
+
+    def parse(self, model, body: bytes):
+        """The request (ApiError 400 naming a bad field); unknown fields are ignored, and logged
+        once per name, as vLLM does."""
+        request = parse(model, body)
+        if new := [name for name in ignored_fields(request) if name not in self._ignored_fields]:
+            self._ignored_fields.update(new)
+            logger.warning("The following fields were present in the request but ignored: %s", set(new))
+        return request
 
     # ---- validation and admission ------------------------------------------------------------
 
@@ -148,26 +193,51 @@ class OpenAIServing:
 
     def sampling_params(self, fields: dict) -> SamplingParams:
         try:
-            return SamplingParams(**fields)
+            params = SamplingParams(**fields)
         except (ValueError, TypeError) as e:
             name = str(e).split(" ", 1)[0]
             raise ApiError(400, str(e), param=name if name in fields else None) from None
+        if params.structured_outputs is not None:
+            self.check_structured_outputs(params.structured_outputs)
+        return params
+
+    def check_structured_outputs(self, spec) -> None:
+        """A schema, regex or grammar that does not compile is a 400 here, not an engine error
+        (the compiler, built on first use, caches what it compiled)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, vocab_size=self.info["vocab_size"],
+                                             eos_token_ids=self.info["eos_token_ids"])
+        try:
+            self._grammars.compile(spec)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="structured_outputs") from None
 
     def checked_prompt(self, ids: list[int], params: SamplingParams, param: str) -> list[int]:
         try:
             _, ids, _ = validate_request(ids, params, tokenizer=self.tokenizer, vocab_size=self.info["vocab_size"],
                                          max_model_len=self.info["max_model_len"])
         except ValueError as e:
-            field = next((f for f in ("stop_token_ids", "top_k", "max_tokens") if str(e).startswith(f)
+            field = next((f for f in ("stop_token_ids", "top_k", "logit_bias", "allowed_token_ids", "max_tokens")
+                          if str(e).startswith(f)
                           or (f == "max_tokens" and f in str(e))), param)
             raise ApiError(400, str(e), param=field) from None
         return ids
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
-            return self.tokenizer.encode(text)
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         except Exception as e:  # noqa: BLE001 - the tokenizer's own errors on odd input
             raise ApiError(400, f"the prompt cannot be tokenized: {e}", param="prompt") from None
+
+    def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The prompt ids of a chat (the template's own special tokens, no BOS added)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                [m.as_template_input() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
+                tokenize=True, special_tokens_in_content=getattr(req, "special_tokens_in_content", False),
+                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception or a Jinja error
+            raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
     def admit(self, num_seqs: int) -> None:
         if num_seqs > self.config.max_sequences_per_request:
@@ -184,39 +254,38 @@ class OpenAIServing:
 
     # ---- submission --------------------------------------------------------------------------
 
-    def submit(self, prefix: str, prompts: list[list[int]], params: SamplingParams, *, stream: bool) -> _Job:
+    def submit(self, response_id: str, prompts: list[list[int]], params: SamplingParams, *, stream: bool) -> _Job:
         """Queues n sequences per prompt (seeds offset per sequence, as the offline LLM does)."""
-        response_id = f"{prefix}-{uuid.uuid4().hex}"
-        job = _Job(response_id, [], asyncio.Queue(), sum(len(p) for p in prompts), params.logprobs)
+        key = f"{response_id}-{next(self._job_numbers)}"
+        job = _Job(response_id, key, [], asyncio.Queue(), sum(len(p) for p in prompts), params.logprobs, params.n)
         try:
             for ids in prompts:
                 for j in range(params.n):
                     seq_params = params.clone(n=1, seed=None if params.seed is None else (params.seed + j) % 2**64)
-                    rid = f"{response_id}-{len(job.request_ids)}"
+                    rid = f"{key}-{len(job.request_ids)}"
                     self.client.add(rid, ids, seq_params, stream=stream, sink=job.queue, index=len(job.request_ids))
                     job.request_ids.append(rid)
         except BaseException:
             self.client.abort(job.request_ids)  # all of the request or none of it: no orphan sequence
             raise
-        self.metrics.prompt_tokens.inc(job.num_prompt_tokens)
-        self.jobs[response_id] = job
+        self.metrics.on_submitted(job.num_prompt_tokens, params.n)
+        self.jobs[key] = job
         return job
 
     def release(self, job: _Job) -> None:
         """The HTTP request is over: abort what is still running (frees its KV blocks)."""
         self.client.abort(job.request_ids)
-        self.jobs.pop(job.response_id, None)
+        self.jobs.pop(job.key, None)
 
     def cancel(self, response_id: str) -> bool:
-        job = self.jobs.get(response_id)
-        if job is None:
-            return False
-        self.client.abort(job.request_ids)
-        return True
+        jobs = [job for job in self.jobs.values() if job.response_id == response_id]
+        for job in jobs:
+            self.client.abort(job.request_ids)
+        return bool(jobs)
 
     async def collect(self, job: _Job, request: Request) -> list[dict]:
         """Waits for every sequence of a non-streaming request, or raises ClientGone."""
-        outs = [dict(token_ids=[], text="", logprobs=[], finish_reason=None, stop_reason=None)
+        outs = [dict(token_ids=[], text="", logprobs=[], finish_reason=None, stop_reason=None, num_cached_tokens=0)
                 for _ in job.request_ids]
 
         async def gather() -> None:
@@ -231,6 +300,7 @@ class OpenAIServing:
                 o["logprobs"] += d.logprobs or []
                 if d.finish_reason is not None:
                     o["finish_reason"], o["stop_reason"] = d.finish_reason, d.stop_reason
+                    o["num_cached_tokens"] = d.timings.num_cached_tokens if d.timings is not None else 0
                     remaining -= 1
 
         await _unless_disconnected(request, gather())
@@ -268,9 +338,14 @@ class OpenAIServing:
             for t, lp in zip(token_ids, logprobs)
         ]}
 
-    def usage(self, job: _Job, num_completion_tokens: int) -> dict:
+    def usage(self, job: _Job, num_completion_tokens: int, num_cached_tokens: list[int]) -> dict:
+        """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` counts each prompt's tokens the
+        prefix cache served to its first sequence (``num_cached_tokens``: per sequence), null when
+        none were."""
+        cached = sum(num_cached_tokens[::job.seqs_per_prompt])
         return {"prompt_tokens": job.num_prompt_tokens, "completion_tokens": num_completion_tokens,
-                "total_tokens": job.num_prompt_tokens + num_completion_tokens}
+                "total_tokens": job.num_prompt_tokens + num_completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached} if cached else None}
 
 
 async def _unless_disconnected(request: Request, work):
@@ -323,19 +398,33 @@ async def read_body(request: Request, config: ServerConfig) -> bytes:
     return b"".join(chunks)
 
 
+def request_id(request: Request) -> str:
+    """The client's X-Request-Id, or the one ``_RequestId`` made up."""
+    return request.scope["state"]["request_id"]
+
+
+def _truncated(ids: list[int], k: int | None) -> list[int]:
+    return ids if k is None else ids[-k:]
+
+
 async def completions(request: Request, s: OpenAIServing) -> Response:
-    req: CompletionRequest = parse(CompletionRequest, await read_body(request, s.config))
+    req: CompletionRequest = s.parse(CompletionRequest, await read_body(request, s.config))
     req.check_unsupported()
     s.check_model(req.model)
     params = s.sampling_params(dict(req.sampling_fields(), n=req.n, max_tokens=req.max_tokens,
                                     logprobs=req.logprobs))
-    prompts = [s.checked_prompt(s.encode(p) if isinstance(p, str) else p, params, "prompt")
-               for p in req.prompts()]
+    prompts = [s.checked_prompt(_truncated(s.encode(p) if isinstance(p, str) else p, req.truncate_prompt_tokens),
+                                params, "prompt") for p in req.prompts()]
+    echo = None
+    if req.echo:  # each choice's text begins with its prompt (the text given, or the ids' text)
+        echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else
+                s.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+                for p, ids in zip(req.prompts(), prompts) for _ in range(params.n)]
     s.admit(len(prompts) * params.n)
-    job = s.submit("cmpl", prompts, params, stream=req.stream)
+    job = s.submit(f"cmpl-{request_id(request)}", prompts, params, stream=req.stream)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return _JobStream(_completion_events(s, job, include_usage), s, job)
+        return _JobStream(_completion_events(s, job, include_usage, echo), s, job)
     try:
         outs = await s.collect(job, request)
     except ClientGone:
@@ -343,19 +432,21 @@ async def completions(request: Request, s: OpenAIServing) -> Response:
     finally:
         s.release(job)
     choices = [{
-        "index": i, "text": o["text"], "finish_reason": o["finish_reason"], "stop_reason": o["stop_reason"],
-        "logprobs": None if job.num_logprobs is None else
+        "index": i, "text": (echo[i] if echo else "") + o["text"], "finish_reason": o["finish_reason"],
+        "stop_reason": o["stop_reason"], "logprobs": None if job.num_logprobs is None else
         s.completion_logprobs(o["token_ids"], o["logprobs"], job.num_logprobs, 0),
     } for i, o in enumerate(outs)]
     return JSONResponse({
         "id": job.response_id, "object": "text_completion", "created": job.created, "model": s.model_name,
-        "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs)),
+        "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs),
+                                             [o["num_cached_tokens"] for o in outs]),
     })
 
 
-async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool):
+async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool, echo: list[str] | None):
     remaining, num_tokens = len(job.request_ids), 0
     offsets = [0] * len(job.request_ids)
+    cached = [0] * len(job.request_ids)
     base = {"id": job.response_id, "object": "text_completion", "created": job.created, "model": s.model_name}
     while remaining:
         d: Delta = await job.queue.get()
@@ -364,35 +455,64 @@ async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool):
             return
         num_tokens += len(d.token_ids)
         remaining -= d.finish_reason is not None
-        if not d.text and d.finish_reason is None and job.num_logprobs is None:
+        if d.timings is not None:
+            cached[d.index] = d.timings.num_cached_tokens
+        text = d.text
+        if echo and echo[d.index] is not None:  # the prompt goes out with the choice's first chunk
+            text, echo[d.index] = echo[d.index] + text, None
+        if not text and d.finish_reason is None and job.num_logprobs is None:
             continue  # tokens whose text is held back (incomplete character, possible stop string)
         logprobs = None
         if job.num_logprobs is not None:
             logprobs = s.completion_logprobs(d.token_ids, d.logprobs or [], job.num_logprobs, offsets[d.index])
-        offsets[d.index] += len(d.text)
-        choice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason,
+        offsets[d.index] += len(text)
+        choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason,
                   "stop_reason": d.stop_reason}
         yield _sse({**base, "choices": [choice], **({"usage": None} if include_usage else {})})
     if include_usage:
-        yield _sse({**base, "choices": [], "usage": s.usage(job, num_tokens)})
+        yield _sse({**base, "choices": [], "usage": s.usage(job, num_tokens, cached)})
     yield _sse("[DONE]")
 
 
+async def tokenize(request: Request, s: OpenAIServing) -> Response:
+    """vLLM's /tokenize: a prompt, or chat messages rendered as /v1/chat/completions renders them."""
+    body = await read_body(request, s.config)
+    try:
+        is_chat = "messages" in json.loads(body)
+    except (ValueError, TypeError):
+        is_chat = False  # parse() says what is wrong with it
+    req = s.parse(TokenizeChatRequest if is_chat else TokenizeCompletionRequest, body)
+    s.check_model(req.model)
+    if is_chat:
+        req.check_unsupported()
+        ids = s.render_chat(req)
+        if req.add_special_tokens and s.tokenizer.add_bos_token:
+            ids = [s.tokenizer.bos_token_id, *ids]
+    else:
+        ids = s.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return JSONResponse({"count": len(ids), "max_model_len": s.info["max_model_len"], "tokens": ids,
+                         "token_strs": [s.token_text(i) for i in ids] if req.return_token_strs else None})
+
+
+async def detokenize(request: Request, s: OpenAIServing) -> Response:
+    """vLLM's /detokenize: the text of token ids (special tokens kept)."""
+    req: DetokenizeRequest = s.parse(DetokenizeRequest, await read_body(request, s.config))
+    s.check_model(req.model)
+    vocab_size = s.info["vocab_size"]
+    if bad := [t for t in req.tokens if not 0 <= t < vocab_size]:
+        raise ApiError(400, f"token ids must be in [0, {vocab_size}), got {bad[0]}", param="tokens")
+    return JSONResponse({"prompt": s.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+
+
 async def chat_completions(request: Request, s: OpenAIServing) -> Response:
-    req: ChatCompletionRequest = parse(ChatCompletionRequest, await read_body(request, s.config))
+    req: ChatCompletionRequest = s.parse(ChatCompletionRequest, await read_body(request, s.config))
     req.check_unsupported()
     s.check_model(req.model)
     params = s.sampling_params(dict(req.sampling_fields(), n=req.n, max_tokens=req.token_limit,
                                     logprobs=req.num_logprobs))
-    try:
-        ids = s.tokenizer.apply_chat_template([m.as_template_input() for m in req.messages],
-                                              add_generation_prompt=req.add_generation_prompt, tokenize=True,
-                                              special_tokens_in_content=req.special_tokens_in_content)
-    except Exception as e:  # noqa: BLE001 - a template's raise_exception or a Jinja error
-        raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
-    prompt = s.checked_prompt(ids, params, "messages")
+    prompt = s.checked_prompt(_truncated(s.render_chat(req), req.truncate_prompt_tokens), params, "messages")
     s.admit(params.n)
-    job = s.submit("chatcmpl", [prompt], params, stream=req.stream)
+    job = s.submit(f"chatcmpl-{request_id(request)}", [prompt], params, stream=req.stream)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         return _JobStream(_chat_events(s, job, include_usage), s, job)
@@ -410,7 +530,8 @@ async def chat_completions(request: Request, s: OpenAIServing) -> Response:
     } for i, o in enumerate(outs)]
     return JSONResponse({
         "id": job.response_id, "object": "chat.completion", "created": job.created, "model": s.model_name,
-        "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs)),
+        "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs),
+                                             [o["num_cached_tokens"] for o in outs]),
     })
 
 
@@ -427,6 +548,7 @@ async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool):
     for i in range(len(job.request_ids)):
         yield chunk(i, {"role": "assistant", "content": ""})
     remaining, num_tokens = len(job.request_ids), 0
+    cached = [0] * len(job.request_ids)
     while remaining:
         d: Delta = await job.queue.get()
         if d.error is not None:
@@ -434,6 +556,8 @@ async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool):
             return
         num_tokens += len(d.token_ids)
         remaining -= d.finish_reason is not None
+        if d.timings is not None:
+            cached[d.index] = d.timings.num_cached_tokens
         if not d.text and d.finish_reason is None and job.num_logprobs is None:
             continue
         logprobs = None
@@ -441,7 +565,7 @@ async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool):
             logprobs = s.chat_logprobs(d.token_ids, d.logprobs or [], job.num_logprobs)
         yield chunk(d.index, {"content": d.text} if d.text else {}, d.finish_reason, logprobs, d.stop_reason)
     if include_usage:
-        yield _sse({**base, "choices": [], "usage": s.usage(job, num_tokens)})
+        yield _sse({**base, "choices": [], "usage": s.usage(job, num_tokens, cached)})
     yield _sse("[DONE]")
 
 
@@ -450,8 +574,7 @@ class _JobStream(StreamingResponse):
     gone before or while streaming) the job's unfinished sequences are aborted."""
 
     def __init__(self, events, s: OpenAIServing, job: _Job) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Request-Id": job.response_id})
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._release = lambda: s.release(job)
 
     async def __call__(self, scope, receive, send) -> None:
@@ -463,7 +586,8 @@ class _JobStream(StreamingResponse):
 
 # ---- the OpenAPI document ----------------------------------------------------------------------
 
-_DOCUMENTED_MODELS = (CompletionRequest, ChatCompletionRequest, ErrorResponse)
+_DOCUMENTED_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+                      DetokenizeRequest, ErrorResponse)
 _ERROR_DESCRIPTIONS = {
     400: "a bad request (JSON, types, values, a prompt over the context) or a Host header not "
          "naming this server",
@@ -484,10 +608,11 @@ def _errors(*statuses: int) -> dict:
     return {status: {"description": _ERROR_DESCRIPTIONS[status], "content": content} for status in statuses}
 
 
-def _json_body(model) -> dict:
+def _json_body(*models) -> dict:
     """``openapi_extra`` of a route that parses its own body (to bound its size and time, and
-    to parse strictly), so FastAPI does not see the model it reads."""
-    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    to parse strictly), so FastAPI does not see the model(s) it reads."""
+    refs = [{"$ref": f"#/components/schemas/{model.__name__}"} for model in models]
+    schema = refs[0] if len(refs) == 1 else {"anyOf": refs}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
 
@@ -539,6 +664,25 @@ def build_app(s: OpenAIServing) -> FastAPI:
     async def post_chat_completions(request: Request) -> Response:
         return await chat_completions(request, s)
 
+    @app.post("/tokenize", responses=_errors(400, *keyed, 404, 408, 413, 415),
+              openapi_extra=_json_body(TokenizeCompletionRequest, TokenizeChatRequest))
+    async def post_tokenize(request: Request) -> Response:
+        return await tokenize(request, s)
+
+    @app.post("/detokenize", responses=_errors(400, *keyed, 404, 408, 413, 415),
+              openapi_extra=_json_body(DetokenizeRequest))
+    async def post_detokenize(request: Request) -> Response:
+        return await detokenize(request, s)
+
+    @app.get("/version", responses=_errors(400, *keyed))
+    async def version() -> Response:
+        return JSONResponse({"version": pipeserve.__version__})
+
+    @app.post("/v1/embeddings", responses=_errors(400, *keyed, 404, 415))
+    async def embeddings() -> Response:
+        raise ApiError(404, f"this server has no embedding model (it serves the generative model "
+                       f"`{s.model_name}`): /v1/embeddings is not available", code="model_not_found")
+
     @app.post("/v1/requests/{response_id}/cancel", responses=_errors(400, *keyed, 404))
     async def cancel(response_id: str) -> Response:
         if not s.cancel(response_id):
@@ -558,9 +702,13 @@ def build_app(s: OpenAIServing) -> FastAPI:
         return JSONResponse(ApiError(e.status_code, str(e.detail), code=code).body(), status_code=e.status_code,
                             headers=e.headers)
 
+    # Each middleware added wraps the ones before: the last is the outermost.
     if s.config.api_key is not None:
         app.add_middleware(_RequireApiKey, api_key=s.config.api_key, on_reject=s.metrics.on_rejected)
+    app.add_middleware(CORSMiddleware, allow_origins=s.config.allowed_origins, allow_methods=s.config.allowed_methods,
+                       allow_headers=s.config.allowed_headers, allow_credentials=s.config.allow_credentials)
     app.add_middleware(_RequestGuard, allowed_hosts=allowed_hosts(s.config), on_reject=s.metrics.on_rejected)
+    app.add_middleware(_RequestId)
     return app
 
 
@@ -644,9 +792,34 @@ class _RequestGuard:
         return None
 
 
+class _RequestId:
+    """ASGI middleware around everything: the request's id is its ``X-Request-Id`` header, or a
+    new one; the routes name their responses after it ("cmpl-<id>") and every answer carries
+    it back as ``X-Request-Id``."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1").strip()
+        rid = given or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", []),
+                                                 (b"x-request-id", rid.encode("latin-1"))])
+            await send(message)
+
+        await self.app(scope, receive, with_id)
+
+
 class _RequireApiKey:
     """ASGI middleware: every HTTP request but GET /health needs `Authorization: Bearer <key>`
-    (unknown routes too, so they reveal nothing without it)."""
+    (unknown routes too, so they reveal nothing without it). The CORS middleware around it
+    answers browsers' preflights, which carry no credentials."""
 
     def __init__(self, app, api_key: str, on_reject) -> None:
         self.app, self.on_reject = app, on_reject
@@ -722,11 +895,30 @@ def default_model_name(model: str | None) -> str:
     return hub.repo_id_of(path) or os.path.basename(os.path.normpath(path)).removesuffix(".gguf")
 
 
+def load_chat_template(value: str) -> str:
+    """``server.chat_template``: a file's contents, or the template itself (as vLLM tells them
+    apart: a value holding "{", "}" or a newline is a template); ValueError if it is neither or
+    does not parse."""
+    if os.path.isfile(value):
+        with open(value) as f:
+            value = f.read()
+    elif not any(c in value for c in "{}\n"):
+        raise ValueError(f"server.chat_template: {value!r} is neither a file nor a Jinja template")
+    try:
+        jinja2.sandbox.ImmutableSandboxedEnvironment().parse(value)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"server.chat_template does not parse: {e}") from None
+    return value
+
+
 def run(engine_config: EngineConfig, config: ServerConfig) -> int:
     """Starts the engine process, serves HTTP until SIGTERM/SIGINT (or the engine exits)."""
+    chat_template = None if config.chat_template is None else load_chat_template(config.chat_template)
     engine = EngineProcess.spawn(engine_config, stats_interval_s=config.stats_interval_s)
     try:
         _, tokenizer, _ = read_config_and_tokenizer(engine_config.model)  # while the engine loads
+        if chat_template is not None:
+            tokenizer.chat_template = chat_template
         engine.wait_ready(timeout_s=config.engine_start_timeout_s)
         return asyncio.run(_serve(engine, tokenizer, engine_config, config))
     finally:
@@ -735,7 +927,7 @@ def run(engine_config: EngineConfig, config: ServerConfig) -> int:
 
 async def _serve(engine: EngineProcess, tokenizer, engine_config: EngineConfig, config: ServerConfig) -> int:
     model_name = config.served_model_name or default_model_name(engine_config.model)
-    metrics = ServerMetrics(model_name)
+    metrics = ServerMetrics(model_name, engine.info["max_model_len"])
     serving: OpenAIServing | None = None
 
     def on_delta(d: Delta) -> None:
@@ -752,10 +944,12 @@ async def _serve(engine: EngineProcess, tokenizer, engine_config: EngineConfig, 
     serving = OpenAIServing(config, client, tokenizer, engine.info, model_name, metrics)
     uv_config = uvicorn.Config(build_app(serving), host=config.host, port=config.port,
                                log_level=config.log_level, access_log=config.access_log,
-                               timeout_graceful_shutdown=config.drain_timeout_s, lifespan="off")
+                               timeout_graceful_shutdown=config.drain_timeout_s, lifespan="off",
+                               ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
     sock = uv_config.bind_socket()
     host, port = sock.getsockname()[:2]
-    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "http" if config.ssl_certfile is None else "https"
+    url = f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
     server = _Server(uv_config, serving, url)
     engine_exit: list[int] = []
 

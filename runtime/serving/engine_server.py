@@ -48,7 +48,7 @@ from pipeserve.parallel.wire import (
 from pipeserve.runtime.config import engine_config_from_dict
 from pipeserve.runtime.engine.llm_engine import LLMEngine
 from pipeserve.runtime.engine.executor import WorkerFailure
-from pipeserve.runtime.engine.outputs import RequestMetrics, RequestOutput, RequestOutputKind
+from pipeserve.runtime.engine.outputs import RequestOutput, RequestOutputKind
 from pipeserve.scheduler.sampling_params import SamplingParams
 
 
@@ -57,18 +57,21 @@ def update_of(out: RequestOutput) -> RequestUpdate:
     return RequestUpdate(
         request_id=out.request_id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
         stop_reason=c.stop_reason, logprobs=c.logprobs, error=out.error,
-        timings=timings_of(out.metrics) if out.finished else None,
+        timings=timings_of(out) if out.finished else None,
     )
 
 
-def timings_of(m: RequestMetrics | None) -> RequestTimings | None:
+def timings_of(out: RequestOutput) -> RequestTimings | None:
+    m = out.metrics
     if m is None:
         return None
     since = lambda t: None if t is None else t - m.arrival_time  # noqa: E731
     finished = m.finished_time if m.finished_time is not None else time.monotonic()
     gaps = [b - a for a, b in zip(m.token_times, m.token_times[1:])]
     return RequestTimings(queue_s=since(m.first_scheduled_time), ttft_s=since(m.first_token_time),
-                          e2e_s=finished - m.arrival_time, tbt_s=gaps)
+                          e2e_s=finished - m.arrival_time, tbt_s=gaps,
+                          num_prompt_tokens=len(out.prompt_token_ids),
+                          num_output_tokens=len(out.outputs[0].token_ids), num_cached_tokens=m.num_cached_tokens)
 
 
 class _Stream:
@@ -95,7 +98,7 @@ class _Stream:
         return StreamDelta(
             request_id=out.request_id, token_ids=new_ids, text=text, logprobs=logprobs,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason, error=out.error,
-            timings=timings_of(out.metrics) if out.finished else None,
+            timings=timings_of(out) if out.finished else None,
         )
 
 
@@ -215,7 +218,9 @@ class EngineServer:
             stage_busy_s=self.engine.executor.stage_busy_seconds(), active_s=self._active_until(now),
             draining=self._draining,
             num_rejected=self.guard.num_rejected + self._num_malformed + self.engine.executor.num_rejected(),
-            failed=self._failed,
+            failed=self._failed, num_preemptions=sched.num_preemptions,
+            num_prefix_cache_queries=sched.prefix_cache_stats.num_prompt_tokens,
+            num_prefix_cache_hits=sched.prefix_cache_stats.num_cached_prompt_tokens,
         ))
         self._last_stats = now
 
@@ -283,6 +288,7 @@ def _serving_info(engine: LLMEngine) -> dict:
     return {
         "max_model_len": engine.state.max_model_len,
         "vocab_size": engine.model_config.vocab_size,
+        "eos_token_ids": list(engine.state.eos_token_ids),
         "num_kv_blocks": engine.state.num_kv_blocks,
         "block_size": engine.config.block_size,
         "max_num_seqs": engine.config.scheduler.max_num_seqs,

@@ -1,9 +1,11 @@
 """The OpenAI HTTP API's request bodies (validated strictly) and error bodies.
 
 Requests are parsed from the raw JSON bytes with pydantic in strict mode: a wrong type is an
-error rather than a silent coercion ("10" is not 10), unknown fields are errors, and OpenAI
-fields we do not implement are accepted only at their no-op values. Value ranges (temperature,
-top_p, max_tokens, n, stop, logprobs …) are checked once, by ``SamplingParams``.
+error rather than a silent coercion ("10" is not 10), and OpenAI fields we do not implement are
+accepted only at their no-op values. Unknown fields are accepted and ignored, as vLLM does
+(benchmark clients and SDKs send their own extras); ``ignored_fields`` names them so the server
+can say so in its log. Value ranges (temperature, top_p, max_tokens, n, stop, logprobs …) are
+checked once, by ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipeserve.scheduler.sampling_params import StructuredOutputsParams
 
 
 class ApiError(Exception):
@@ -42,12 +46,19 @@ class ErrorResponse(BaseModel):
 
 class _Strict(BaseModel):
     # Field docstrings become their descriptions in the OpenAPI document (/openapi.json).
-    model_config = ConfigDict(extra="forbid", strict=True, use_attribute_docstrings=True)
+    # Known fields keep strict types; unknown ones are kept aside (model_extra) and ignored.
+    model_config = ConfigDict(extra="allow", strict=True, use_attribute_docstrings=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool = False
     """Send one last chunk with the usage of the whole request (and "usage": null before)."""
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+    """{"name", "schema", "strict"}: the output is JSON valid against "schema"."""
 
 
 class _SamplingRequest(_Strict):
@@ -63,11 +74,20 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # OpenAI fields accepted only at their no-op values.
     presence_penalty: float | None = None
+    """In [-2, 2]: subtracted from the logit of each token the output holds already."""
     frequency_penalty: float | None = None
+    """In [-2, 2]: subtracted from a token's logit once per time the output holds it."""
     logit_bias: dict[str, float] | None = None
+    """Token id (a string, as OpenAI sends it) -> bias in [-100, 100] added to its logit."""
     # vLLM's extensions.
+    repetition_penalty: float | None = None
+    """> 0: divides the positive logits (multiplies the negative ones) of tokens the prompt or
+    output holds."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be generated."""
+    bad_words: list[str] | None = None
+    """Words never to generate."""
     top_k: int | None = None
     min_p: float | None = None
     min_tokens: int | None = None
@@ -75,13 +95,27 @@ class _SamplingRequest(_Strict):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    spaces_between_special_tokens: bool = True
+    """vLLM's; accepted and without effect, as in vLLM with a fast tokenizer: the byte-level
+    detokenizer joins token texts as they are, so special tokens are never spaced apart."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k tokens of each prompt (k >= 1), as vLLM does."""
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and their newer
+    # structured_outputs object; at most one constraint per request.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """The output is JSON valid against this schema."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """EBNF (xgrammar's dialect, ``root ::= ...``)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's {"json" | "regex" | "choice" | "grammar" | "json_object": ...}."""
 
     def check_unsupported(self) -> None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name} is not supported (only 0)", param=name)
-        if self.logit_bias:
-            raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ApiError(400, f"truncate_prompt_tokens must be >= 1, got {self.truncate_prompt_tokens}",
+                           param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
@@ -90,10 +124,36 @@ class _SamplingRequest(_Strict):
         fields = dict(temperature=1.0 if self.temperature is None else self.temperature,
                       top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=self.stop)
         for name in ("top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-                     "include_stop_str_in_output"):
+                     "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "allowed_token_ids", "bad_words"):
             if (value := getattr(self, name)) is not None:
                 fields[name] = value
+        if self.logit_bias is not None:
+            fields["logit_bias"] = _token_id_keys(self.logit_bias)
+        if (structured := self._structured_outputs()) is not None:
+            fields["structured_outputs"] = structured
         return fields
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        given: dict[str, dict[str, Any]] = {}  # request field -> StructuredOutputsParams fields
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = _response_format_constraint(self.response_format)
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if (value := getattr(self, name)) is not None:
+                given[name] = {kind: value}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        if len(given) > 1:
+            raise ApiError(400, f"give one structured-output constraint, got {', '.join(given)}",
+                           param=next(iter(given)))
+        if not given:
+            return None
+        (name, fields), = given.items()
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as e:
+            raise ApiError(400, str(e), param=name) from None
 
 
 class CompletionRequest(_SamplingRequest):
@@ -101,17 +161,21 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
+    """Prepend each prompt's text to its choices' text."""
     suffix: str | None = None
     best_of: int | None = None
+    """Accepted when null or equal to n (vLLM's v1 engine does not rank extra candidates either)."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed)",
+                           param="echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise ApiError(400, "best_of is not supported (only best_of == n)", param="best_of")
+            raise ApiError(400, f"best_of is not supported: it must be null or equal to n ({self.n}), "
+                           f"got {self.best_of}", param="best_of")
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a batch, each a string or token ids."""
@@ -149,6 +213,11 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    """End the prompt with the template's opening of an assistant turn."""
+    continue_final_message: bool = False
+    """Render the last message open (no end-of-turn after it), so the answer continues it."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. {"enable_thinking": false})."""
     special_tokens_in_content: bool = False
     """Let a special token's text in a message's content become that token (raw control of the
     prompt); by default it stays text, so content cannot open a turn of its own."""
@@ -161,6 +230,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise ApiError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                           "(send add_generation_prompt: false)", param="continue_final_message")
 
     @property
     def token_limit(self) -> int | None:
@@ -170,6 +242,76 @@ class ChatCompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: None (no logprobs) or how many top alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeCompletionRequest(_Strict):
+    """POST /tokenize with a prompt (vLLM's)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    """Add what the model puts before a prompt (its BOS token, if it asks for one)."""
+    return_token_strs: bool = False
+    """Also answer each token's text (``token_strs``)."""
+
+
+class TokenizeChatRequest(_Strict):
+    """POST /tokenize with chat messages, rendered as /v1/chat/completions renders them (vLLM's)."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False
+    """Add BOS before the rendering (templates usually write their own special tokens)."""
+    return_token_strs: bool = False
+
+    def check_unsupported(self) -> None:
+        if not self.messages:
+            raise ApiError(400, "messages must not be empty", param="messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
+                           "(send add_generation_prompt: false)", param="continue_final_message")
+
+
+class DetokenizeRequest(_Strict):
+    """POST /detokenize (vLLM's)."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def _response_format_constraint(fmt: ResponseFormat) -> dict[str, Any]:
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    schema = (fmt.json_schema or {}).get("schema")
+    if not isinstance(schema, dict):
+        raise ApiError(400, 'response_format json_schema needs {"name": ..., "schema": {...}}',
+                       param="response_format")
+    return {"json": schema}
+
+
+def _token_id_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings ("123")."""
+    out = {}
+    for key, value in bias.items():
+        if not key.isdecimal():
+            raise ApiError(400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                           param="logit_bias")
+        out[int(key)] = value
+    return out
+
+
+def ignored_fields(request: BaseModel, prefix: str = "") -> list[str]:
+    """The unknown fields of a parsed request, nested ones included ("messages.tool_calls")."""
+    names = [prefix + name for name in request.model_extra or {}]
+    for name in type(request).model_fields:
+        value = getattr(request, name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, BaseModel):
+                names += [n for n in ignored_fields(item, f"{prefix}{name}.") if n not in names]
+    return names
 
 
 def parse(model: type[BaseModel], body: bytes):

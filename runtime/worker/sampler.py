@@ -1,5 +1,11 @@
 """Turn one step's logits into next tokens: greedy, or temperature + top-k + top-p + min-p.
 
+Rows that ask for them first have their logits processed: the structured-output token mask
+(``grammar.apply_token_bitmask``, a step with constrained rows only), then
+``penalties.process_logits`` (allowed_token_ids, bad_words, logit_bias,
+repetition/frequency/presence penalties), then the min_tokens mask; rows that ask for none cost
+nothing there.
+
 The batch is processed on the logits' device, with a few host->device copies of the per-row
 settings and one device->host copy of the chosen ids (plus one of the logprobs when a row asks
 for them). On the CPU it goes in chunks of rows whose working buffers stay in cache; elsewhere
@@ -32,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from pipeserve.runtime.worker.batch import host_to_device
+from pipeserve.runtime.worker.grammar import apply_token_bitmask
+from pipeserve.runtime.worker.penalties import HistoryRows, process_logits
 from pipeserve.scheduler.sampling_params import SamplingParams
 
 _LOG2_E = 1.0 / math.log(2.0)
@@ -56,8 +64,8 @@ class SamplerOutput:
     """None when no row asked for logprobs. Otherwise, per row, None if that row's
     ``params.logprobs`` is None, else ``{token_id: logprob}`` holding its top-k tokens in
     descending order, then the sampled token if it is not among them. Logprobs are the
-    log-softmax of the RAW logits, before temperature, top-k/p, min-p and the min_tokens mask
-    (vLLM v1's default, "raw_logprobs")."""
+    log-softmax of the RAW logits, before penalties, logit_bias, allowed_token_ids, bad_words,
+    temperature, top-k/p, min-p and the min_tokens mask (vLLM v1's default, "raw_logprobs")."""
 
 
 class Sampler:
@@ -71,6 +79,8 @@ class Sampler:
         *,
         num_output_tokens: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
+        history: HistoryRows | None = None,
+        token_bitmask: torch.Tensor | None = None,
         on_sampled: Callable[[torch.Tensor], None] | None = None,
         to_host: bool = True,
     ) -> SamplerOutput:
@@ -81,6 +91,10 @@ class Sampler:
         num_output_tokens: tokens each row has generated before this step. When given, a row
             with fewer than ``min_tokens`` cannot sample its stop_token_ids nor, unless
             ``ignore_eos``, ``eos_token_ids`` (their logits are set to -inf).
+        history: the rows' tokens (``TokenHistory.rows_of``), which rows whose params
+            ``needs_token_history`` must have.
+        token_bitmask: [N, ceil(V / 32)] int32 on the logits' device: a row samples only the
+            tokens whose bit is set (structured outputs, ``GrammarState.bitmask``).
         on_sampled: called with the [N] int64 token ids on the logits' device before they are
             copied to the host (token feedback sends them on from there).
         to_host: False leaves ``token_ids`` on the logits' device (no synchronization) when no
@@ -93,7 +107,8 @@ class Sampler:
         )
         assert num_output_tokens is None or len(num_output_tokens) == num_rows
         logits = logits.float()
-        token_ids = _sample(logits, params, generators, num_output_tokens, eos_token_ids)  # [N]
+        token_ids = _sample(logits, params, generators, num_output_tokens, eos_token_ids, history,
+                            token_bitmask)  # [N]
         if on_sampled is not None:
             on_sampled(token_ids)
         wants_logprobs = any(p.logprobs is not None for p in params)
@@ -121,12 +136,17 @@ def _sample(
     generators: Sequence[torch.Generator | None],
     num_output_tokens: Sequence[int] | None,
     eos_token_ids: Sequence[int],
+    history: HistoryRows | None,
+    token_bitmask: torch.Tensor | None,
 ) -> torch.Tensor:
     """[N] int64 token ids on the logits' device, one chunk of rows at a time."""
     # logits: [N, V]
     pieces = []
     for rows in _row_chunks(logits):
         x = logits[rows]  # [n, V], a view
+        if token_bitmask is not None:
+            x = apply_token_bitmask(x, token_bitmask[rows])
+        x = process_logits(x, params[rows], None if history is None else history[rows])
         if num_output_tokens is not None:
             x = _apply_min_tokens(x, params[rows], num_output_tokens[rows], eos_token_ids)
         pieces.append(_sample_rows(x, params[rows], generators[rows]))

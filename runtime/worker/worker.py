@@ -41,11 +41,13 @@ from pipeserve.parallel.wire import Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime import progress
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
-from pipeserve.runtime.worker.batch import PlanInputs, StepInputs, to_tensors
+from pipeserve.runtime.worker.batch import PlanInputs, StepInputs, host_to_device, to_tensors
 from pipeserve.runtime.worker.cuda_graphs import GraphStep, capture_cuda_graphs
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from pipeserve.runtime.worker.model_runner import ModelRunner
 from pipeserve.runtime.worker.rendezvous import broadcast_json, gather_timelines
+from pipeserve.runtime.worker.grammar import GrammarCompiler, GrammarState
+from pipeserve.runtime.worker.penalties import TokenHistory
 from pipeserve.runtime.worker.sampler import Sampler, make_generator
 from pipeserve.scheduler import SamplingParams
 
@@ -100,6 +102,8 @@ class Worker:
                                   cuda_graphs=graphs)
         self.plans = PlanInputs()
         self._generators: dict[str, torch.Generator | None] = {}
+        self._history = TokenHistory(device)  # the driver's: tokens that penalties and bad words read
+        self._grammars: GrammarState | None = None  # the driver's structured-output matchers, once one comes
         self._pending_send: tuple[dist.Work, torch.Tensor] | None = None
         # The busy total is always kept (/metrics); per-step spans only when asked (benchmarks).
         if record is None:
@@ -272,26 +276,49 @@ class Worker:
             self._pending_send[0].wait()
             self._pending_send = None
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """This process's structured-output compiler (built on first use: its vocabulary
+        index takes a second); an in-process engine validates requests with it too."""
+        return self._grammar_state().compiler
+
+    def _grammar_state(self) -> GrammarState:
+        if self._grammars is None:
+            compiler = GrammarCompiler(self.tokenizer, vocab_size=self.model_config.vocab_size,
+                                       eos_token_ids=self.eos_token_ids)
+            self._grammars = GrammarState(compiler)
+        return self._grammars
+
     def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult | PendingResult:
+        self._history.apply_plan(plan)
+        if self._grammars is not None:
+            self._grammars.apply_plan(plan)
         seqs = [s for s in plan.seqs if s.needs_sample]
         if not seqs:  # prompt chunks only: nothing to sample, feed or wait for
             self.busy.end(plan.step_id)
             return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], stage_times=[seconds])
         params = [s.sampling for s in seqs]
         gens = [self._generator_of(s) for s in seqs]
+        history = self._history.rows_of(seqs) if len(self._history) else None
+        bitmask = self._token_bitmask(seqs)  # on the host, while the device runs this step's forward
         sender = self.feedback_sender
 
         def on_sampled(token_ids: torch.Tensor) -> None:
             # Sampling is this stage's work too: the span ends once the ids exist on the device.
             self.busy.end(plan.step_id)
+            if history is not None:
+                self._history.append_sampled(history, token_ids)
             if sender is not None:
                 sender.send(token_ids)
+            if bitmask is not None:  # waits for the ids: the matchers advance on the host
+                self._grammars.accept(seqs, token_ids)
 
         # With token feedback nothing waits for this result on the critical path: leave the ids
         # on the device and go on to the next plan; serve() sends the result once they are here.
         defer = sender is not None and self.device.type == "cuda"
         out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
-                           eos_token_ids=self.eos_token_ids, on_sampled=on_sampled, to_host=not defer)
+                           eos_token_ids=self.eos_token_ids, history=history, token_bitmask=bitmask,
+                           on_sampled=on_sampled, to_host=not defer)
         if out.token_ids.device.type != "cpu":
             return PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds)
         logprobs = None
@@ -299,6 +326,12 @@ class Worker:
             logprobs = [lp or {} for lp in out.logprobs]
         return StepResult(step_id=plan.step_id, request_ids=[s.request_id for s in seqs],
                           token_ids=out.token_ids.tolist(), logprobs=logprobs, stage_times=[seconds])
+
+    def _token_bitmask(self, seqs) -> torch.Tensor | None:
+        """The step's structured-output mask on the device (None: no row is constrained)."""
+        if all(s.sampling.structured_outputs is None for s in seqs):
+            return None
+        return host_to_device(self._grammar_state().bitmask(seqs), torch.int32, self.device)
 
     def _generator_of(self, seq) -> torch.Generator | None:
         if seq.request_id not in self._generators:

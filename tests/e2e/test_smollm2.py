@@ -152,6 +152,13 @@ def test_sampling_features_end_to_end(loaded):
     assert len(a.logprobs) == len(a.token_ids)
     for tok, lp in zip(a.token_ids, a.logprobs):
         assert tok in lp and 3 <= len(lp) <= 4 and all(v <= 0 for v in lp.values())
+        # vLLM's Logprob objects: the top 3 ranked 1..3 by value, each token's own text.
+        top = sorted(lp, key=lambda t: -lp[t].logprob)[:3]
+        assert [lp[t].rank for t in top] == [1, 2, 3]
+        assert all(v.decoded_token == llm.get_tokenizer().decode([t], skip_special_tokens=False) for t, v in lp.items())
+        assert len(lp) == 3 or lp[tok].rank is None  # a sampled token outside the top 3: rank not computed
+    assert a.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(a.token_ids, a.logprobs)))
+    assert llm.generate([ids], SamplingParams(max_tokens=2))[0].outputs[0].cumulative_logprob is None
     # Stop strings and stop token ids end generation; n gives several completions.
     greedy = llm.generate([ids], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
     word = greedy.text.split()[2]

@@ -161,3 +161,17 @@ def test_token_feedback_matches_single_process(reference, tp, pp):
                         fed += 1
     assert fed > 0, "no decode was fed"
     assert max(len(r.in_flight) for r in records) == pp + 1
+
+
+@pytest.mark.slow  # ~45 s on 2 shared cores
+def test_penalties_match_single_process():
+    """Penalties and bad words read the sampling worker's token history: at pp=2 with token
+    feedback (fed decodes, whose input only the last stage's device holds) and chunked prompts
+    (repetition penalty's prompt chunks), the same greedy tokens as one process."""
+    controls = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0, presence_penalty=0.5), {},
+                dict(bad_words=["Paris", "blue sky"]), dict(repetition_penalty=0.8, frequency_penalty=-0.5)]
+    params = [SamplingParams(temperature=0, max_tokens=10, **controls[i % len(controls)]) for i in range(8)]
+    with LLM(**COMMON) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.chat(chats()[:8], params)]
+    with LLM(**COMMON, pipeline_parallel_size=2, token_feedback=True) as llm:
+        assert [o.outputs[0].token_ids for o in llm.chat(chats()[:8], params)] == reference

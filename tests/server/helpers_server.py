@@ -29,7 +29,7 @@ COMMON = [
     "engine.device=cpu", "engine.dtype=float32", "engine.num_kv_blocks=256", "engine.max_model_len=512",
 ]
 MODEL = "SmolLM2-135M-Instruct"
-_READY = re.compile(r"pipeserve: serving (\S+) on (http://\S+) \(engine pid (\d+)\)")
+_READY = re.compile(r"pipeserve: serving (\S+) on (https?://\S+) \(engine pid (\d+)\)")
 
 
 class Server:
@@ -38,6 +38,8 @@ class Server:
         parsed = urlparse(url)
         self.host, self.port = parsed.hostname, parsed.port
         self.stdout: list[str] = []
+        self.run_dir = None  # where stderr.txt is
+        self.ssl_context = None  # for an https:// server: an ssl.SSLContext that trusts its certificate
 
     @classmethod
     def start(cls, run_dir, *overrides: str, api_key: str | None = API_KEY, timeout_s: float = 300.0) -> Server:
@@ -68,7 +70,7 @@ class Server:
                                    f"\n{_tail(run_dir)}")
         m = next(_READY.search(x) for x in lines if _READY.search(x))
         server = cls(proc, m.group(2), int(m.group(3)), api_key)
-        server.stdout = lines
+        server.stdout, server.run_dir = lines, run_dir
         return server
 
     # ---- HTTP --------------------------------------------------------------------------------
@@ -80,6 +82,8 @@ class Server:
         return h | (extra or {})
 
     def connection(self, timeout_s: float = 120.0) -> http.client.HTTPConnection:
+        if self.url.startswith("https://"):
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.ssl_context)
         return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
 
     def request(self, method: str, path: str, body=None, *, headers: dict | None = None,

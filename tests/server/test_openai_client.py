@@ -99,3 +99,20 @@ def test_errors_are_openai_errors(client, server):
     with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             bad.models.list()
+
+
+def test_penalties_logit_bias_and_vllm_extras(client, server):
+    """OpenAI's penalties and logit_bias (token ids as string keys); vLLM's repetition_penalty,
+    bad_words and allowed_token_ids through extra_body."""
+    status, r = server.post("/tokenize", {"prompt": " banana", "add_special_tokens": False})
+    assert status == 200 and len(r["tokens"]) == 1
+    banana = r["tokens"][0]
+    r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=3, presence_penalty=0.5,
+                                       frequency_penalty=0.5, logit_bias={str(banana): 100})
+    assert r.choices[0].message.content.split() == ["banana"] * 3
+    r = client.chat.completions.create(model=MODEL, messages=PARIS, temperature=0, max_tokens=12,
+                                       extra_body={"bad_words": ["Paris"], "repetition_penalty": 1.2})
+    assert "Paris" not in r.choices[0].message.content
+    r = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=2,
+                                  extra_body={"allowed_token_ids": [banana]})
+    assert r.choices[0].text == " banana banana"

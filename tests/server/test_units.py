@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from pipeserve.launch.serve import flags_to_overrides
+from pipeserve.launch.flags import to_overrides
 from pipeserve.parallel.wire import EngineStats
 from pipeserve.runtime.serving.api_server import ServerConfig
 from pipeserve.runtime.serving.engine_server import _Stream
-from pipeserve.runtime.serving.openai_protocol import ApiError, ChatCompletionRequest, CompletionRequest, parse
+from pipeserve.runtime.serving.openai_protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ignored_fields,
+    parse,
+)
 from pipeserve.runtime.engine.outputs import CompletionOutput, RequestOutput
 from pipeserve.scheduler.sampling_params import SamplingParams
-from pipeserve.runtime.serving.server_metrics import ServerMetrics
+from pipeserve.runtime.serving.server_metrics import ServerMetrics, token_buckets
 
 
 def out(text: str, num_tokens: int, finish: str | None = None) -> RequestOutput:
@@ -46,12 +52,20 @@ def test_requests_parse_strictly():
     assert parse(CompletionRequest, b'{"prompt": [5, 6]}').prompts() == [[5, 6]]
     for body, param in [(b'{"prompt": "a", "max_tokens": "3"}', "max_tokens"),
                         (b'{"prompt": "a", "n": 1.5}', "n"),
-                        (b'{"prompt": "a", "extra": 1}', "extra"),
+                        (b'{"prompt": "a", "extra": 1, "truncate_prompt_tokens": "2"}', "truncate_prompt_tokens"),
                         (b'{"messages": [{"role": "user", "content": 3}]}', "messages")]:
         model = ChatCompletionRequest if b"messages" in body else CompletionRequest
         with pytest.raises(ApiError) as e:
             parse(model, body)
         assert e.value.status == 400 and e.value.param == param
+
+
+def test_unknown_fields_are_ignored_and_named():
+    """As vLLM: extras pass (benchmark clients send their own), nested ones too; known fields stay strict."""
+    r = parse(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "a", "tool_calls": []}],'
+                                     b'"frobnicate": {"x": 1}, "max_tokens": 3}')
+    assert r.token_limit == 3 and ignored_fields(r) == ["frobnicate", "messages.tool_calls"]
+    assert ignored_fields(parse(CompletionRequest, b'{"prompt": "a"}')) == []
 
 
 def test_chat_request_fields():
@@ -63,8 +77,8 @@ def test_chat_request_fields():
 
 
 def test_flags_become_overrides():
-    assert flags_to_overrides(["--api-key", "k1", "--port=9000", "parallel.pp=2", "--host", "0.0.0.0"]) == [
-        "server.api_key='k1'", "server.port=9000", "parallel.pp=2", "server.host='0.0.0.0'"]
+    assert to_overrides("serve", ["--api-key", "k1", "--port=9000", "parallel.pp=2", "--host", "0.0.0.0"]) == [
+        "server.host='0.0.0.0'", "server.port=9000", "server.api_key='k1'", "parallel.pp=2"]
 
 
 def test_server_config_validates():
@@ -145,3 +159,44 @@ def test_the_frontend_turns_unhealthy_as_soon_as_the_engine_reports_lost_workers
         proc.kill()
         guard.close()
         ctx.destroy(linger=0)
+
+
+def test_chat_template_from_a_file_or_itself(tmp_path):
+    from pipeserve.runtime.serving.api_server import load_chat_template
+
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == template == load_chat_template(template)
+    with pytest.raises(ValueError, match="neither a file nor"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="does not parse"):
+        load_chat_template("{% for m in messages %}")
+    with pytest.raises(ValueError, match="ssl_keyfile"):
+        ServerConfig(ssl_certfile="cert.pem")
+
+
+def test_vllm_token_buckets():
+    assert token_buckets(512) == (1, 2, 5, 10, 20, 50, 100, 200, 500)
+    assert token_buckets(1000) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+def test_vllm_engine_figures_from_engine_stats():
+    """Gauges follow the last stats; cumulative engine totals become counter increments."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    m = ServerMetrics("m", max_model_len=512)
+
+    def stats(free, preemptions, queries, hits):
+        return EngineStats(num_waiting=2, num_running=3, num_kv_blocks=8, num_free_kv_blocks=free,
+                           num_preemptions=preemptions, num_prefix_cache_queries=queries, num_prefix_cache_hits=hits)
+
+    m.on_stats(stats(8, 0, 0, 0))
+    m.on_stats(stats(6, 1, 100, 32))
+    m.on_stats(stats(2, 3, 180, 64))
+    samples = {(s.name, s.labels.get("model_name")): s.value
+               for family in text_string_to_metric_families(m.render().decode()) for s in family.samples}
+    assert samples[("vllm:num_requests_running", "m")] == 3 and samples[("vllm:num_requests_waiting", "m")] == 2
+    assert samples[("vllm:kv_cache_usage_perc", "m")] == samples[("vllm:gpu_cache_usage_perc", "m")] == 0.75
+    assert samples[("vllm:num_preemptions_total", "m")] == 3
+    assert samples[("vllm:prefix_cache_queries_total", "m")] == 180
+    assert samples[("vllm:prefix_cache_hits_total", "m")] == 64

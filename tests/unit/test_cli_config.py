@@ -28,7 +28,7 @@ def test_from_block_builds_the_dataclass():
     ({"tp": "two"}, "parallel.tp must be an integer, got 'two'"),
     ({"tp": True}, "parallel.tp must be an integer, got True"),
     ({"tp": 1.5}, "parallel.tp must be an integer, got 1.5"),
-    ({"token_feedback": 1}, "parallel.token_feedback must be true or false, got 1"),
+    ({"token_feedback": 1}, "parallel.token_feedback must be true or false or null, got 1"),
     ({"stage_layers": [16, "x"]}, "parallel.stage_layers must be a list of integers or null, got [16, 'x']"),
     ({"stage_layers": [16.5, 15.5]}, "parallel.stage_layers must be a list of integers or null, got [16.5, 15.5]"),
     ({"host": 5}, "parallel.host must be a string or null, got 5"),
