@@ -9,11 +9,12 @@ reuses the engine's result, and a distributed driver compiles each distinct spec
 
 The driver keeps one ``GrammarMatcher`` per constrained request (``GrammarState``). Each step,
 on the host, it fills the token bitmask of the constrained rows (``bitmask``) and the sampler
-applies it to the whole batch on the logits' device at once (``apply_token_bitmask``); after
-sampling, each matcher accepts its row's token (``accept``). The host fills the bitmask after
-the step's forward was launched: on an accelerator the fill overlaps that forward (and the
-previous step's feedback copy), and the one wait it adds is for the sampled ids, which
-``accept`` needs on the host. Matchers are advanced by the worker that sampled the tokens, so a
+applies it to the whole batch on the logits' device at once (``apply_token_bitmask``); the
+sampled ids are copied to the host behind the sampler (``accept_later``) and each matcher
+accepts its row's token when the next mask is filled. The host fills a step's bitmask after that
+step's forward was launched: on an accelerator the fill, and the wait for the previous step's
+ids it needs first, overlap that forward, so a step with constrained rows keeps the engine's
+asynchronous schedule. Matchers are advanced by the worker that sampled the tokens, so a
 decode planned before its input reached the engine (pipelining, token feedback) still finds its
 matcher up to date. A preempted request recomputes its output as prompt and samples again from
 output number ``num_output_tokens``: a matcher that accepted more tokens than that is reset and
@@ -25,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -110,6 +112,8 @@ class GrammarState:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._matched: dict[str, _Matched] = {}
+        # Sampled ids on their way to the host, oldest first: (request ids, [n] ids, CUDA event).
+        self._pending: deque[tuple[list[str], torch.Tensor, torch.cuda.Event | None]] = deque()
 
     def __len__(self) -> int:
         return len(self._matched)
@@ -125,6 +129,7 @@ class GrammarState:
         rows = [i for i, s in enumerate(seqs) if s.sampling.structured_outputs is not None]
         if not rows:
             return None
+        self._accept_arrived()
         mask = xgr.allocate_token_bitmask(len(seqs), self.compiler.vocab_size)  # all bits set
         for i in rows:
             state = self._state_of(seqs[i])
@@ -138,17 +143,42 @@ class GrammarState:
 
     def accept(self, seqs: Sequence[SeqPlan], token_ids: torch.Tensor) -> None:
         """Advances each constrained row's matcher by its sampled token (``token_ids``: [N])."""
+        self.accept_later(seqs, token_ids)
+        self._accept_arrived()
+
+    def accept_later(self, seqs: Sequence[SeqPlan], token_ids: torch.Tensor) -> None:
+        """Notes the constrained rows' sampled tokens (``token_ids``: [N] on the sampling
+        device) without waiting for them: on CUDA they are copied to pinned memory behind the
+        sampler, and the matchers take them when the next mask is filled (``bitmask``). That
+        next step's forward is queued by then, so the host waits for this step's ids while the
+        device computes the next one, and the engine's asynchronous schedule (token feedback)
+        holds with constrained rows too."""
         rows = [i for i, s in enumerate(seqs) if s.sampling.structured_outputs is not None]
         if not rows:
             return
-        chosen = token_ids.index_select(0, torch.tensor(rows, device=token_ids.device)).tolist()
-        for i, token in zip(rows, chosen):
-            state = self._matched[seqs[i].request_id]
-            if state.matcher.is_terminated():
-                continue
-            accepted = state.matcher.accept_token(token)
-            assert accepted, f"{seqs[i].request_id}: sampled token {token} that the grammar rejects"
-            state.accepted.append(token)
+        chosen = token_ids.index_select(0, torch.tensor(rows, device=token_ids.device))
+        event = None
+        if chosen.is_cuda:
+            host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+            host.copy_(chosen, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            chosen = host
+        self._pending.append(([seqs[i].request_id for i in rows], chosen, event))
+
+    def _accept_arrived(self) -> None:
+        """Advances the matchers by every noted step's tokens, in step order."""
+        while self._pending:
+            request_ids, tokens, event = self._pending.popleft()
+            if event is not None:
+                event.synchronize()
+            for rid, token in zip(request_ids, tokens.tolist()):
+                state = self._matched.get(rid)
+                if state is None or state.matcher.is_terminated():  # (freed since, or past its end)
+                    continue
+                accepted = state.matcher.accept_token(token)
+                assert accepted, f"{rid}: sampled token {token} that the grammar rejects"
+                state.accepted.append(token)
 
     def _state_of(self, seq: SeqPlan) -> _Matched:
         """The request's matcher, advanced over exactly its ``num_output_tokens`` outputs."""

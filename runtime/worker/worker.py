@@ -310,8 +310,8 @@ class Worker:
                 self._history.append_sampled(history, token_ids)
             if sender is not None:
                 sender.send(token_ids)
-            if bitmask is not None:  # waits for the ids: the matchers advance on the host
-                self._grammars.accept(seqs, token_ids)
+            if bitmask is not None:  # the matchers take them before the next mask (no wait here)
+                self._grammars.accept_later(seqs, token_ids)
 
         # With token feedback nothing waits for this result on the critical path: leave the ids
         # on the device and go on to the next plan; serve() sends the result once they are here.
