@@ -113,6 +113,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag(("--allow-credentials",), ("server.allow_credentials",), "CORS: allow credentials", SERVE, "switch",
          render=lambda _: ("true",)),
     Flag(("--uvicorn-log-level",), ("server.log_level",), "uvicorn's log level", SERVE, "word"),
+    Flag(("--tool-call-parser",), ("server.tool_call_parser",), "how tool_choice \"auto\" reads calls: hermes or "
+         "llama3_json", SERVE, "word"),
+    Flag(("--enable-auto-tool-choice",), ("server.enable_auto_tool_choice",), "serve tool_choice \"auto\" (needs "
+         "--tool-call-parser)", SERVE, "switch", render=lambda _: ("true",)),
     # generate
     Flag(("--max-tokens",), ("sampling.max_tokens",), "tokens to generate per prompt", GENERATE, "int"),
     Flag(("--temperature",), ("sampling.temperature",), "sampling temperature (0 = greedy)", GENERATE, "float"),

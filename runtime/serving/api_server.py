@@ -4,9 +4,9 @@
 
 The frontend tokenizes (chat templates included), validates every request exactly as the
 engine will, applies admission control and streams what the engine process sends back
-(``runtime.frontend``). Routes: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/v1/requests/{id}/cancel``, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, a 404 at
-``/v1/embeddings``, ``/health``, ``/metrics`` and ``/openapi.json`` (the request bodies' schemas
+(``runtime.frontend``); chat answers are read for tool calls (``tool_calls``). Routes:
+``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/v1/requests/{id}/cancel``,
+vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, a 404 at ``/v1/embeddings``, ``/health``, ``/metrics`` and ``/openapi.json`` (the request bodies' schemas
 and each route's error statuses); with an API key every route but ``/health`` wants
 ``Authorization: Bearer <key>``. Every answer carries the request's ``X-Request-Id``; CORS and
 HTTPS follow the ``ServerConfig``. SIGTERM (or Ctrl-C) stops accepting
@@ -61,8 +61,10 @@ from pipeserve.runtime.serving.openai_protocol import (
     TokenizeCompletionRequest,
     ignored_fields,
     parse,
+    template_tools,
 )
-from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.serving.tool_calls import PARSERS, ChoiceToolCalls
+from pipeserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 from pipeserve.runtime.serving.server_metrics import ServerMetrics
 
 logger = logging.getLogger("pipeserve.server")
@@ -120,6 +122,12 @@ class ServerConfig:
     """With ``ssl_certfile``: serve HTTPS with this private key (PEM)."""
     ssl_certfile: str | None = None
     """With ``ssl_keyfile``: serve HTTPS with this certificate chain (PEM)."""
+    tool_call_parser: str | None = None
+    """How tool_choice "auto" reads calls from the output: ``hermes`` (``<tool_call>{...}
+    </tool_call>``: Hermes, Qwen) or ``llama3_json`` (Llama 3.x's JSON calls)."""
+    enable_auto_tool_choice: bool = False
+    """Serve tool_choice "auto" (the default of a request with tools; else 400, as vLLM);
+    needs ``tool_call_parser``."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -139,6 +147,11 @@ class ServerConfig:
             raise ValueError("server timeouts and intervals must be > 0")
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise ValueError("set both server.ssl_keyfile and server.ssl_certfile (HTTPS), or neither")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"server.tool_call_parser must be one of {', '.join(PARSERS)}, "
+                             f"got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("server.enable_auto_tool_choice needs server.tool_call_parser")
 
 
 @dataclass(slots=True)
@@ -201,7 +214,7 @@ class OpenAIServing:
             self.check_structured_outputs(params.structured_outputs)
         return params
 
-    def check_structured_outputs(self, spec) -> None:
+    def check_structured_outputs(self, spec, param: str = "structured_outputs") -> None:
         """A schema, regex or grammar that does not compile is a 400 here, not an engine error
         (the compiler, built on first use, caches what it compiled)."""
         if self._grammars is None:
@@ -210,7 +223,22 @@ class OpenAIServing:
         try:
             self._grammars.compile(spec)
         except ValueError as e:
-            raise ApiError(400, str(e), param="structured_outputs") from None
+            raise ApiError(400, str(e), param=param) from None
+
+    def tool_calls(self, req: ChatCompletionRequest):
+        """Makes a reader of one choice's calls (None: no tools, or tool_choice "none"); a 400 for a
+        tool whose parameters are not a JSON schema, or "auto" on a server without it."""
+        for tool in req.tools or []:
+            if tool.function.parameters is not None:
+                self.check_structured_outputs(StructuredOutputsParams(json=tool.function.parameters), "tools")
+        choice = req.effective_tool_choice
+        if choice == "none":
+            return None
+        if choice == "auto" and not self.config.enable_auto_tool_choice:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs a server started with '
+                           "--enable-auto-tool-choice and --tool-call-parser", param="tool_choice")
+        return partial(ChoiceToolCalls, choice, parser=self.config.tool_call_parser, parallel=req.parallel_tool_calls,
+                       function=req.tool_choice.function.name if choice == "named" else None)
 
     def checked_prompt(self, ids: list[int], params: SamplingParams, param: str) -> list[int]:
         try:
@@ -231,11 +259,14 @@ class OpenAIServing:
 
     def render_chat(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
         """The prompt ids of a chat (the template's own special tokens, no BOS added)."""
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.tools:  # as transformers' apply_chat_template(tools=...)
+            kwargs["tools"] = template_tools(req.tools)
         try:
             return self.tokenizer.apply_chat_template(
                 [m.as_template_input() for m in req.messages], add_generation_prompt=req.add_generation_prompt,
                 tokenize=True, special_tokens_in_content=getattr(req, "special_tokens_in_content", False),
-                continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                continue_final_message=req.continue_final_message, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template's raise_exception or a Jinja error
             raise ApiError(400, f"the chat template rejected the messages: {e}", param="messages") from None
 
@@ -508,6 +539,7 @@ async def chat_completions(request: Request, s: OpenAIServing) -> Response:
     req: ChatCompletionRequest = s.parse(ChatCompletionRequest, await read_body(request, s.config))
     req.check_unsupported()
     s.check_model(req.model)
+    tool_calls = s.tool_calls(req)
     params = s.sampling_params(dict(req.sampling_fields(), n=req.n, max_tokens=req.token_limit,
                                     logprobs=req.num_logprobs))
     prompt = s.checked_prompt(_truncated(s.render_chat(req), req.truncate_prompt_tokens), params, "messages")
@@ -515,19 +547,19 @@ async def chat_completions(request: Request, s: OpenAIServing) -> Response:
     job = s.submit(f"chatcmpl-{request_id(request)}", [prompt], params, stream=req.stream)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return _JobStream(_chat_events(s, job, include_usage), s, job)
+        return _JobStream(_chat_events(s, job, include_usage, tool_calls), s, job)
     try:
         outs = await s.collect(job, request)
     except ClientGone:
         return Response(status_code=499)
     finally:
         s.release(job)
+    messages = [_chat_message(o["text"], tool_calls) for o in outs]
     choices = [{
-        "index": i, "message": {"role": "assistant", "content": o["text"]},
-        "finish_reason": o["finish_reason"], "stop_reason": o["stop_reason"],
-        "logprobs": None if job.num_logprobs is None else
+        "index": i, "message": m, "finish_reason": _finish_reason(o["finish_reason"], "tool_calls" in m),
+        "stop_reason": o["stop_reason"], "logprobs": None if job.num_logprobs is None else
         s.chat_logprobs(o["token_ids"], o["logprobs"], job.num_logprobs),
-    } for i, o in enumerate(outs)]
+    } for i, (o, m) in enumerate(zip(outs, messages))]
     return JSONResponse({
         "id": job.response_id, "object": "chat.completion", "created": job.created, "model": s.model_name,
         "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs),
@@ -535,7 +567,20 @@ async def chat_completions(request: Request, s: OpenAIServing) -> Response:
     })
 
 
-async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool):
+def _chat_message(text: str, tool_calls) -> dict:
+    """The assistant message of a choice: its text, or the calls in it and the text around them."""
+    if tool_calls is None:
+        return {"role": "assistant", "content": text}
+    content, calls = tool_calls().message(text)
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+
+
+def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """OpenAI's "tool_calls" for an output that ended by itself with calls."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
+
+
+async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool, tool_calls):
     base = {"id": job.response_id, "object": "chat.completion.chunk", "created": job.created, "model": s.model_name}
     extra = {"usage": None} if include_usage else {}
 
@@ -545,6 +590,7 @@ async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool):
             choice["stop_reason"] = stop_reason
         return _sse({**base, "choices": [choice], **extra})
 
+    readers = None if tool_calls is None else [tool_calls() for _ in job.request_ids]
     for i in range(len(job.request_ids)):
         yield chunk(i, {"role": "assistant", "content": ""})
     remaining, num_tokens = len(job.request_ids), 0
@@ -563,10 +609,26 @@ async def _chat_events(s: OpenAIServing, job: _Job, include_usage: bool):
         logprobs = None
         if job.num_logprobs is not None:
             logprobs = s.chat_logprobs(d.token_ids, d.logprobs or [], job.num_logprobs)
-        yield chunk(d.index, {"content": d.text} if d.text else {}, d.finish_reason, logprobs, d.stop_reason)
+        if readers is None:
+            yield chunk(d.index, {"content": d.text} if d.text else {}, d.finish_reason, logprobs, d.stop_reason)
+        else:
+            for args in _tool_chunks(readers[d.index], d, logprobs):
+                yield chunk(d.index, *args)
     if include_usage:
         yield _sse({**base, "choices": [], "usage": s.usage(job, num_tokens, cached)})
     yield _sse("[DONE]")
+
+
+def _tool_chunks(reader: ChoiceToolCalls, d: Delta, logprobs) -> list[tuple]:
+    """(delta, finish_reason, logprobs, stop_reason) of each chunk an engine delta makes when its
+    text is read for calls: none while the reader holds text back, or several; the logprobs go
+    with the first, the finish with the last."""
+    deltas = reader.feed(d.text) + (reader.finish() if d.finish_reason is not None else [])
+    if not deltas and (d.finish_reason is not None or logprobs is not None):
+        deltas = [{}]
+    finish_reason = _finish_reason(d.finish_reason, reader.num_calls > 0)
+    return [(delta, finish_reason if k == len(deltas) - 1 else None, logprobs if k == 0 else None, d.stop_reason)
+            for k, delta in enumerate(deltas)]
 
 
 class _JobStream(StreamingResponse):

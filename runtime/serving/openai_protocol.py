@@ -10,10 +10,12 @@ checked once, by ``SamplingParams``.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from pipeserve.runtime.serving.tool_calls import named_schema, required_schema
 from pipeserve.scheduler.sampling_params import StructuredOutputsParams
 
 
@@ -135,15 +137,7 @@ class _SamplingRequest(_Strict):
         return fields
 
     def _structured_outputs(self) -> StructuredOutputsParams | None:
-        given: dict[str, dict[str, Any]] = {}  # request field -> StructuredOutputsParams fields
-        if self.response_format is not None and self.response_format.type != "text":
-            given["response_format"] = _response_format_constraint(self.response_format)
-        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                           ("guided_grammar", "grammar")):
-            if (value := getattr(self, name)) is not None:
-                given[name] = {kind: value}
-        if self.structured_outputs is not None:
-            given["structured_outputs"] = self.structured_outputs
+        given = self._constraints()
         if len(given) > 1:
             raise ApiError(400, f"give one structured-output constraint, got {', '.join(given)}",
                            param=next(iter(given)))
@@ -154,6 +148,19 @@ class _SamplingRequest(_Strict):
             return StructuredOutputsParams(**fields)
         except (TypeError, ValueError) as e:
             raise ApiError(400, str(e), param=name) from None
+
+    def _constraints(self) -> dict[str, dict[str, Any]]:
+        """Request field -> the StructuredOutputsParams fields it asks for."""
+        given: dict[str, dict[str, Any]] = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            given["response_format"] = _response_format_constraint(self.response_format)
+        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "grammar")):
+            if (value := getattr(self, name)) is not None:
+                given[name] = {kind: value}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = self.structured_outputs
+        return given
 
 
 class CompletionRequest(_SamplingRequest):
@@ -192,10 +199,62 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """The arguments' JSON schema (None: any object)."""
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    """OpenAI's function tool."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str
+    """The arguments object as JSON text."""
+
+
+class MessageToolCall(_Strict):
+    """A call in an assistant message of the history."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def as_template_input(self) -> dict:
+        # Templates write the arguments with tojson: given the object, as transformers' callers
+        # and vLLM give it, not its text (which would be quoted once more).
+        try:
+            arguments = json.loads(self.function.arguments)
+        except (json.JSONDecodeError, RecursionError):  # not JSON (or nested too deep): as given
+            arguments = self.function.arguments
+        call = {"type": self.type, "function": {"name": self.function.name, "arguments": arguments}}
+        return call if self.id is None else {"id": self.id, **call}
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant message's calls."""
+    tool_call_id: str | None = None
+    """A tool message's: the call it answers."""
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -204,6 +263,10 @@ class ChatMessage(_Strict):
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [call.as_template_input() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
@@ -221,11 +284,27 @@ class ChatCompletionRequest(_SamplingRequest):
     special_tokens_in_content: bool = False
     """Let a special token's text in a message's content become that token (raw control of the
     prompt); by default it stays text, so content cannot open a turn of its own."""
+    tools: list[Tool] | None = None
+    """Functions the model may call; the chat template renders them."""
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """"auto" (the default with tools: calls are parsed from the output, which needs
+    server.enable_auto_tool_choice), "none" (no parsing), "required" (one call or more) or a
+    named function (a call of it); the last two constrain the output."""
+    parallel_tool_calls: bool = True
+    """False: at most one call."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if not self.messages:
             raise ApiError(400, "messages must not be empty", param="messages")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ApiError(400, "tools must have distinct function names", param="tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ApiError(400, f"tool_choice names the function {self.tool_choice.function.name!r}, which is "
+                           "not among the tools", param="tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None:
@@ -233,6 +312,21 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise ApiError(400, "continue_final_message and add_generation_prompt cannot both be true "
                            "(send add_generation_prompt: false)", param="continue_final_message")
+
+    @property
+    def effective_tool_choice(self) -> str:
+        """"none", "auto", "required" or "named" (OpenAI's default: "auto" with tools)."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def _constraints(self) -> dict[str, dict[str, Any]]:
+        given = super()._constraints()
+        if self.effective_tool_choice == "required":
+            given["tool_choice"] = {"json": required_schema(template_tools(self.tools), self.parallel_tool_calls)}
+        elif self.effective_tool_choice == "named":
+            given["tool_choice"] = {"json": named_schema(template_tools(self.tools), self.tool_choice.function.name)}
+        return given
 
     @property
     def token_limit(self) -> int | None:
@@ -263,6 +357,7 @@ class TokenizeChatRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
     add_special_tokens: bool = False
     """Add BOS before the rendering (templates usually write their own special tokens)."""
     return_token_strs: bool = False
@@ -280,6 +375,11 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+def template_tools(tools: list[Tool] | None) -> list[dict] | None:
+    """The tools as chat templates take them (transformers' form: OpenAI's tool objects)."""
+    return None if not tools else [tool.model_dump(exclude_none=True) for tool in tools]
 
 
 def _response_format_constraint(fmt: ResponseFormat) -> dict[str, Any]:

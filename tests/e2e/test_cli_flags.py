@@ -47,6 +47,8 @@ CASES = [
      ["server.api_key_file='/k'", "server.chat_template='{{ x }}'", "server.log_level=info"]),
     ("serve", ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"],
      ["server.ssl_keyfile='k.pem'", "server.ssl_certfile='c.pem'"]),
+    ("serve", ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
+     ["server.tool_call_parser=hermes", "server.enable_auto_tool_choice=true"]),
     ("serve", ["--allowed-origins", '["https://a.org","*"]', "--allowed-methods", "GET",
                "--allowed-headers", "[]", "--allow-credentials"],
      ["server.allowed_origins=['https://a.org','*']", "server.allowed_methods=['GET']", "server.allowed_headers=[]",
