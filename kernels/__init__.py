@@ -1,6 +1,6 @@
 """GPU kernels (Triton), one per file, each beside its plain-torch reference.
 
-The model calls its five hot operations through a ``KernelOps`` table, so the same module runs
+The model calls its hot operations through a ``KernelOps`` table, so the same module runs
 the torch references (CPU, tests, parity with transformers) or the Triton kernels (GPU):
 
     add_rms_norm(x, residual, weight, eps) -> (normed, new_residual)   # x, residual: [T, H]
@@ -8,6 +8,7 @@ the torch references (CPU, tests, parity with transformers) or the Triton kernel
     silu_mul(gate_up) -> out                      # gate_up: [T, 2I] -> [T, I]
     write_kv(k, v, kv_cache, slot_mapping) -> None
     paged_attention(q, kv_cache, meta, scale, *, sliding_window=None, softcap=None) -> out  # [T, h, d]
+    moe_experts(x, w13, w2, topk_ids, topk_weights) -> out  # routed SwiGLU experts: [T, H] -> [T, H]
     matmul(x, w, out_dtype) -> x @ w.T, or None     # None: the layers' F.linear (cuBLAS)
 
 ``kernel_ops(backend, device)`` picks the table: ``torch``, ``triton``, or ``auto`` (Triton on
@@ -36,6 +37,7 @@ class KernelOps:
     silu_mul: Callable
     write_kv: Callable
     paged_attention: Callable
+    moe_experts: Callable
     matmul: Callable | None = None
 
 
@@ -50,6 +52,7 @@ def torch_ops() -> KernelOps:
         silu_mul=reference.silu_mul_reference,
         write_kv=reference.write_kv,
         paged_attention=reference.paged_attention,
+        moe_experts=reference.moe_experts_reference,
     )
 
 
@@ -68,6 +71,7 @@ def triton_ops() -> KernelOps:
     """The Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
     compile_cache_dir()  # (before the first compile)
     from pipeserve.kernels.kv_cache import write_kv
+    from pipeserve.kernels.moe import moe_experts
     from pipeserve.kernels.paged_attention import paged_attention
     from pipeserve.kernels.rms_norm import add_rms_norm
     from pipeserve.kernels.rope import rope
@@ -80,6 +84,7 @@ def triton_ops() -> KernelOps:
         silu_mul=silu_mul,
         write_kv=write_kv,
         paged_attention=paged_attention,
+        moe_experts=moe_experts,
     )
 
 

@@ -49,6 +49,9 @@ def default_costs(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    *,
+    num_experts: int = 0,
+    num_experts_per_tok: int = 0,
 ) -> dict[str, float]:
     """Relative per-token costs of a Llama-family model, as keyword arguments of ``plan_stages``.
 
@@ -57,6 +60,11 @@ def default_costs(
     projection; the embedding is a lookup (0). Attention over the context, which grows with
     it equally on every layer, and norms are left out (so Gemma's extra norms and its sliding
     layers, whose attention the window caps, change nothing here).
+
+    A mixture-of-experts layer (``num_experts`` > 0) counts its ACTIVE weights: the router and
+    the ``num_experts_per_tok`` experts a token runs, not all of them (which take memory, but
+    no time for that token). Its layers are then cheaper next to the head than a dense
+    model's of the same width, so the head's stage gets fewer of them.
     """
     sizes = dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
                  vocab_size=vocab_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -67,14 +75,21 @@ def default_costs(
     q_o = 2 * hidden_size * num_heads * head_dim
     k_v = 2 * hidden_size * num_kv_heads * head_dim
     mlp = 3 * hidden_size * intermediate_size  # gate, up, down
+    if num_experts:
+        if not 1 <= num_experts_per_tok <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, {num_experts}], got {num_experts_per_tok}")
+        mlp = hidden_size * num_experts + num_experts_per_tok * mlp  # router, k experts
     layer_weights = q_o + k_v + mlp
     return {"layer_cost": 1.0, "embedding_cost": 0.0, "head_cost": hidden_size * vocab_size / layer_weights}
 
 
 def model_costs(config) -> dict[str, float]:
-    """``default_costs`` of a model config (anything with a Llama config's shape fields)."""
+    """``default_costs`` of a model config (anything with a Llama config's shape fields; an MoE
+    config's ``num_local_experts`` and ``num_experts_per_tok`` too)."""
     return default_costs(config.hidden_size, config.intermediate_size, config.vocab_size,
-                         config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+                         config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+                         num_experts=getattr(config, "num_local_experts", 0),
+                         num_experts_per_tok=getattr(config, "num_experts_per_tok", 0))
 
 
 @dataclass(frozen=True, slots=True)

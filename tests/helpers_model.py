@@ -19,7 +19,7 @@ from pipeserve.runtime.model.llama import LlamaForCausalLM
 
 # Every kind is hidden 64, 4 heads / 2 KV heads (GQA), head_dim 16, vocab 256.
 TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "llama_yarn_rope", "qwen2", "qwen3",
-              "mistral", "gemma2", "gemma3", "phi3", "phi4_mini")
+              "mistral", "gemma2", "gemma3", "phi3", "phi4_mini", "mixtral", "qwen3_moe")
 # Gemma's (and the tiny Phi-3's) sliding layers see this many keys: fewer than the tests'
 # prompts, so windows matter.
 TINY_SLIDING_WINDOW = 12
@@ -46,9 +46,11 @@ def tiny_hf_config(kind: str, **overrides):
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        Qwen3MoeConfig,
     )
 
     shape = {**_TINY_SHAPE, **overrides}
@@ -76,6 +78,13 @@ def tiny_hf_config(kind: str, **overrides):
         return Qwen3Config(**{**shape, "head_dim": 32, **overrides}, tie_word_embeddings=False, attention_bias=False)
     if kind == "mistral":
         return MistralConfig(**shape, sliding_window=None)
+    # Mixture of experts: 4 experts of width 64, each token routed to 2.
+    if kind == "mixtral":  # top-2 weights renormalized
+        return MixtralConfig(**{**shape, "intermediate_size": 64, **overrides}, num_local_experts=4,
+                             num_experts_per_tok=2, sliding_window=None)
+    if kind == "qwen3_moe":  # Qwen3's head norms; top-2 weights not renormalized
+        return Qwen3MoeConfig(**{**shape, "head_dim": 32, "moe_intermediate_size": 64, **overrides}, num_experts=4,
+                              num_experts_per_tok=2, norm_topk_prob=False, tie_word_embeddings=False)
     gemma = dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=TINY_SLIDING_WINDOW)
     if kind == "gemma2":  # layer 0 slides, layer 1 global; caps small enough to bend the values
         return Gemma2Config(**{**shape, **gemma, **overrides}, attn_logit_softcapping=2.0,

@@ -451,17 +451,33 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     dtype_bytes: int
+    num_experts: int = 0
+    """Experts per layer of a mixture-of-experts model; 0: a dense MLP."""
+    num_experts_per_tok: int = 0
 
     @classmethod
     def of(cls, config, dtype_bytes: int) -> ModelShape:
         return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers,
                    config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-                   config.vocab_size, dtype_bytes)
+                   config.vocab_size, dtype_bytes, getattr(config, "num_local_experts", 0),
+                   getattr(config, "num_experts_per_tok", 0))
 
     @property
     def layer_params(self) -> int:
+        """Weights one token's matmuls use in a layer: an MoE's router and its k experts."""
+        return self._layer_params(self.num_experts_per_tok)
+
+    @property
+    def layer_weights(self) -> int:
+        """Weights a layer holds: every expert of an MoE."""
+        return self._layer_params(self.num_experts)
+
+    def _layer_params(self, num_experts_counted: int) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+        mlp = 3 * h * self.intermediate_size
+        if self.num_experts:
+            mlp = h * self.num_experts + num_experts_counted * mlp  # router + experts
+        return h * q + 2 * h * kv + q * h + mlp
 
     def flops(self, num_tokens: int, attn_work: int, num_sampled: int) -> float:
         """Matmul FLOPs of a micro-batch: 2 per weight per token, QK^T and PV over each
@@ -471,8 +487,10 @@ class ModelShape:
         return linear + attention + 2.0 * self.hidden_size * self.vocab_size * num_sampled
 
     def bytes_moved(self, context_tokens: int) -> float:
-        """Bytes a decode micro-batch must read: every weight once, plus the KV of its contexts."""
-        weights = self.num_layers * self.layer_params + self.hidden_size * self.vocab_size
+        """Bytes a decode micro-batch must read: every weight once, plus the KV of its contexts.
+        An MoE counts every expert: a batch of B tokens reads up to B·k of them, so this is
+        exact once B·k covers the experts and an upper bound before."""
+        weights = self.num_layers * self.layer_weights + self.hidden_size * self.vocab_size
         kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * context_tokens
         return float(weights + kv) * self.dtype_bytes
 

@@ -1,5 +1,5 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3), for packed paged-KV
-serving.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2/3, Gemma 2/3, Phi-3, and the
+mixture-of-experts Mixtral and Qwen3-MoE), for packed paged-KV serving.
 
 Tokens arrive flat: a micro-batch is T tokens from several sequences, with no batch dimension
 and no padding; ``AttentionMetadata`` says which tokens belong to which sequence and where
@@ -18,11 +18,14 @@ Gemma (``ModelConfig.is_gemma``) runs the same modules with its own pieces: ``Ge
 sqrt(hidden), per-layer sliding windows and soft-capped scores and logits. Its norms and GeGLU
 are plain torch on every device (no Triton kernel rounds Gemma's way yet). Phi-3's checkpoints
 fuse q/k/v and gate/up themselves; ``load_weights`` splits them into the HF tensors they stack,
-and Phi-4-mini turns RoPE on part of each head only (``Attention._rope``).
+and Phi-4-mini turns RoPE on part of each head only (``Attention._rope``). Mixtral and
+Qwen3-MoE swap each layer's MLP for ``MoE``: a router and routed experts, stacked at load into
+one [E, ...] tensor per projection kind (``ops.moe_experts`` runs them grouped by expert).
 
 Tensor parallelism lives in the layers (``pipeserve.parallel.tp_layers``): attention heads and
 the MLP's intermediate features are split over the TP ranks of a stage (column-parallel in,
-row-parallel out, one all-reduce each), the embedding and LM head over the vocabulary. The
+row-parallel out, one all-reduce each), the embedding and LM head over the vocabulary; an
+MoE splits every expert's intermediate features the way the MLP splits its own. The
 residual stream [T, H] is whole on every TP rank. With one TP rank the layers are plain
 ``nn.Linear`` / ``nn.Embedding``.
 """
@@ -40,7 +43,7 @@ from torch import nn
 from pipeserve.kernels import KernelOps, torch_ops
 from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.kernels.reference import gelu_tanh_mul_reference
-from pipeserve.parallel.context import ParallelContext
+from pipeserve.parallel.context import ParallelContext, tp_all_reduce
 from pipeserve.parallel.tp_layers import (
     InvariantNumerics,
     MergedColumnParallelLinear,
@@ -49,9 +52,13 @@ from pipeserve.parallel.tp_layers import (
     RowParallelLinear,
     RowRange,
     VocabParallelEmbedding,
+    check_shape,
     checkpoint_shape,
     default_weight_loader,
+    read_cols,
+    read_rows,
     shard_heads,
+    split_evenly,
 )
 from pipeserve.runtime.model.model_config import ModelConfig
 
@@ -330,6 +337,92 @@ class MLP(nn.Module):
         return self.down_proj(gelu_tanh_mul_reference(gate_up))  # [T, H]
 
 
+# An expert's HF projection names (Mixtral's w1/w3/w2, Qwen3-MoE's) -> its part in ``MoE``.
+_EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down", "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+
+
+class MoE(nn.Module):
+    """A sparse MLP (Mixtral, Qwen3-MoE): the router ``gate`` scores the experts, each token
+    goes to the top k of their softmax (weights renormalized to sum 1 where the model does),
+    and ``ops.moe_experts`` runs the chosen SwiGLU experts and sums their weighted outputs.
+
+    Tensor parallelism splits every expert's intermediate features evenly over the TP ranks, as
+    vLLM's fused MoE does: a rank holds its rows of each expert's gate and up (``w13``
+    [E, 2 I_local, H], gate rows then up rows) and the same columns of each down projection
+    (``w2`` [E, H, I_local]), so that its experts' partial sums need one all-reduce, where the
+    dense MLP's down_proj reduces. The router is whole on every rank (every rank routes alike).
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelContext) -> None:
+        super().__init__()
+        E, H, inter = config.num_local_experts, config.hidden_size, config.intermediate_size
+        if inter < parallel.tp_size:
+            raise ValueError(f"cannot split {inter} expert features over {parallel.tp_size} TP ranks")
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        # transformers' Qwen3-MoE rounds the routing weights to the activations' dtype; its
+        # Mixtral weighs in float32.
+        self.round_weights = config.architecture == "Qwen3MoeForCausalLM"
+        self.parallel, self.hidden_size, self.intermediate_size = parallel, H, inter
+        self.cols = split_evenly(inter, parallel.tp_size, parallel.tp_rank)
+        local = self.cols[1] - self.cols[0]
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w13 = nn.Parameter(torch.empty(E, 2 * local, H))
+        self.w2 = nn.Parameter(torch.empty(E, H, local))
+
+    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+        # x: [T, H]
+        probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(x.dtype)
+        out = ops.moe_experts(x, self.w13, self.w2, ids, weights)  # [T, H], this rank's share
+        return out if self.parallel.tp_size == 1 else tp_all_reduce(out, self.parallel)
+
+    def hf_param(self, parts: list[str]) -> tuple[str, tuple[int, str]] | None:
+        """(our parameter, (expert, "gate" | "up" | "down")) for an expert's tensor named
+        ``experts.<e>.<projection>.weight`` after the layer's MoE prefix; None for others."""
+        if len(parts) != 4 or parts[0] != "experts" or not parts[1].isdigit() or parts[3] != "weight":
+            return None
+        part = _EXPERT_PARTS.get(parts[2])
+        if part is None:
+            return None
+        return ("w2" if part == "down" else "w13"), (int(parts[1]), part)
+
+    def weight_loader(self, param: torch.Tensor, loaded: Any, part: tuple[int, str]) -> None:
+        """One expert's projection into its slot of ``w13`` / ``w2``, reading only this rank's
+        rows (gate, up) or columns (down)."""
+        expert, proj = part
+        if expert >= param.shape[0]:
+            raise ValueError(f"expert {expert} of a model with {param.shape[0]} experts")
+        start, stop = self.cols
+        if proj == "down":
+            check_shape(loaded, (self.hidden_size, self.intermediate_size))
+            param.data[expert].copy_(read_cols(loaded, start, stop))
+            return
+        check_shape(loaded, (self.intermediate_size, self.hidden_size))
+        offset = 0 if proj == "gate" else stop - start
+        param.data[expert, offset : offset + stop - start].copy_(read_rows(loaded, range(start, stop)))
+
+
+def hf_mlp_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors of one layer's MLP (``prefix``: "model.layers.<i>.") with their
+    shapes: a dense gate/up/down, or an MoE's router and every expert's projections (Mixtral's
+    w1/w3/w2 under ``block_sparse_moe``, Qwen3-MoE's gate/up/down_proj under ``mlp``)."""
+    H, inter = config.hidden_size, config.intermediate_size
+    dense = {"gate_proj": (inter, H), "up_proj": (inter, H), "down_proj": (H, inter)}
+    if not config.is_moe:
+        return {f"{prefix}mlp.{p}.weight": shape for p, shape in dense.items()}
+    module, names = "mlp", {p: p for p in dense}
+    if config.architecture == "MixtralForCausalLM":
+        module, names = "block_sparse_moe", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    shapes = {f"{prefix}{module}.gate.weight": (config.num_local_experts, H)}
+    for e in range(config.num_local_experts):
+        shapes |= {f"{prefix}{module}.experts.{e}.{names[p]}.weight": shape for p, shape in dense.items()}
+    return shapes
+
+
 class DecoderLayer(nn.Module):
     """Global layer ``layer``. Gemma's post_attention_layernorm norms the attention's output
     before the residual add, and the MLP has a norm of its own before and after."""
@@ -340,7 +433,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm(H, eps)
         self.self_attn = Attention(config, parallel, layer)
         self.post_attention_layernorm = norm(H, eps)
-        self.mlp = MLP(config, parallel)
+        self.mlp = MoE(config, parallel) if config.is_moe else MLP(config, parallel)
         self.pre_feedforward_layernorm = norm(H, eps) if config.is_gemma else None
         self.post_feedforward_layernorm = norm(H, eps) if config.is_gemma else None
         # Gemma 3's sliding-window layers turn RoPE on their own base.
@@ -377,7 +470,7 @@ class LlamaForCausalLM(nn.Module):
     ``parallel`` (default: one process) gives the TP rank whose shard of every layer this
     module holds; ``num_local_kv_heads`` is the KV heads per layer on this rank, the head count
     of its KV cache. ``ops`` (``pipeserve.kernels``; default the torch references, replaced
-    with ``set_ops``) runs the norm, RoPE, SiLU·mul, KV write and attention.
+    with ``set_ops``) runs the norm, RoPE, SiLU·mul, KV write, attention and routed experts.
     """
 
     def __init__(
@@ -478,6 +571,11 @@ class LlamaForCausalLM(nn.Module):
                 "deterministic mode does not cover Gemma yet: its (1 + w) norms run as plain "
                 "torch, whose reductions may round differently with the batch's size"
             )
+        if ops.matmul is not None and self.config.is_moe:
+            raise ValueError(
+                "deterministic mode does not cover mixture-of-experts models yet: the grouped "
+                "expert kernel's tiles follow the batch's size"
+            )
         self.ops = ops
         numerics = None
         if ops.matmul is not None:
@@ -574,7 +672,7 @@ class LlamaForCausalLM(nn.Module):
                 prefix + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
             }
             names |= {f"{prefix}self_attn.{p}_proj.weight" for p in "qkvo"}
-            names |= {f"{prefix}mlp.{p}_proj.weight" for p in ("gate", "up", "down")}
+            names |= set(hf_mlp_shapes(self.config, prefix))
             if self.config.qk_norm:
                 names |= {f"{prefix}self_attn.{p}_norm.weight" for p in "qk"}
             if self.config.is_gemma:
@@ -606,13 +704,18 @@ class LlamaForCausalLM(nn.Module):
         if not self.start_layer <= layer < self.end_layer:
             return None
         prefix = f"layers.{layer - self.start_layer}"
+        attr = "mlp" if parts[3] == "block_sparse_moe" else parts[3]  # Mixtral's name for its MoE
         # e.g. model.layers.3.self_attn.q_proj.bias -> layers.1.self_attn.qkv_proj.bias, "q"
-        module = getattr(self.layers[layer - self.start_layer], parts[3], None)
+        module = getattr(self.layers[layer - self.start_layer], attr, None)
         shards = getattr(module, "hf_shards", {})
         if len(parts) == 6 and parts[4] in shards:
             fused, part = shards[parts[4]]
-            return f"{prefix}.{parts[3]}.{fused}.{parts[5]}", part
-        return f"{prefix}.{'.'.join(parts[3:])}", None
+            return f"{prefix}.{attr}.{fused}.{parts[5]}", part
+        # e.g. model.layers.3.block_sparse_moe.experts.5.w1.weight -> layers.1.mlp.w13, (5, "gate")
+        expert = module.hf_param(parts[4:]) if isinstance(module, MoE) else None
+        if expert is not None:
+            return f"{prefix}.{attr}.{expert[0]}", expert[1]
+        return f"{prefix}.{'.'.join([attr, *parts[4:]])}", None
 
     def _load_param(
         self, name: str, part: Any, tensor: Any, hf_name: str, errors: list[str]

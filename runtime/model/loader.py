@@ -14,7 +14,7 @@ from pipeserve.kernels import kernel_ops
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.runtime import progress
 from pipeserve.runtime.model import hub
-from pipeserve.runtime.model.llama import LlamaForCausalLM
+from pipeserve.runtime.model.llama import LlamaForCausalLM, hf_mlp_shapes
 from pipeserve.runtime.model.model_config import ModelConfig
 from pipeserve.runtime.model.tokenizer import Tokenizer
 
@@ -154,7 +154,7 @@ class RandomTensor:
 
 def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of a Hugging Face Llama-family checkpoint of this shape, with its shape."""
-    H, I, V, d = config.hidden_size, config.intermediate_size, config.vocab_size, config.head_dim
+    H, V, d = config.hidden_size, config.vocab_size, config.head_dim
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not config.tie_word_embeddings:
@@ -164,8 +164,7 @@ def hf_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)}
         shapes |= {p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
                    p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q)}
-        shapes |= {p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H),
-                   p + "mlp.down_proj.weight": (H, I)}
+        shapes |= hf_mlp_shapes(config, p)
         if config.qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
         if config.is_gemma:

@@ -10,6 +10,9 @@ alternates sliding-window and global layers (``layer_types``); Gemma 2 soft-caps
 scores and the logits, Gemma 3 norms q/k heads and gives its local layers their own RoPE base.
 Phi-3 fuses q/k/v and gate/up in its checkpoints (split at load), scales RoPE with LongRoPE's
 short factors and, as Phi-4-mini, may turn only part of each head (``partial_rotary_factor``).
+Mixtral and Qwen3-MoE (``is_moe``) replace every layer's MLP with ``num_local_experts`` gated
+MLPs of ``intermediate_size`` each and a router that sends each token to ``num_experts_per_tok``
+of them; Qwen3-MoE has Qwen3's q/k head norms.
 """
 
 from __future__ import annotations
@@ -28,7 +31,10 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 SUPPORTED_ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")  # plus no scaling ("default" / None)
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -41,6 +47,8 @@ _ARCH_BY_MODEL_TYPE = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _LLAMA3_ROPE_KEYS = (
     "factor",
@@ -57,7 +65,7 @@ class ModelConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
-    """Width of the SwiGLU MLP (each of gate/up)."""
+    """Width of the SwiGLU MLP (each of gate/up); in an MoE model, of each expert's."""
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -96,6 +104,13 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     """RoPE turns the first ``rotary_dim`` = head_dim × this dimensions of each query and key
     head, the rest pass through (Phi-4-mini: 0.75)."""
+    num_local_experts: int = 0
+    """Experts per layer (Mixtral, Qwen3-MoE); 0: a dense MLP."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to: the top k of the router's softmax."""
+    norm_topk_prob: bool = True
+    """The top-k probabilities are renormalized to sum to 1 (Mixtral always; Qwen3-MoE per its
+    ``norm_topk_prob``)."""
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -144,6 +159,17 @@ class ModelConfig:
                 f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
             )
         self._check_layer_types()
+        moe = self.architecture in MOE_ARCHITECTURES
+        if (self.num_local_experts > 0) != moe or self.num_local_experts < 0:
+            raise ValueError(
+                f"{self.architecture} needs num_local_experts {'> 0' if moe else '= 0'}, "
+                f"got {self.num_local_experts}"
+            )
+        if self.is_moe and not 1 <= self.num_experts_per_tok <= self.num_local_experts:
+            raise ValueError(
+                f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
+                f"got {self.num_experts_per_tok}"
+            )
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "local_rope_theta"):
             value = getattr(self, name)
@@ -168,6 +194,11 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_moe(self) -> bool:
+        """Every layer's MLP is a routed mixture of experts."""
+        return self.num_local_experts > 0
 
     @property
     def is_gemma(self) -> bool:
@@ -218,7 +249,7 @@ class ModelConfig:
             architecture=architecture,
             vocab_size=_require(d, "vocab_size"),
             hidden_size=hidden_size,
-            intermediate_size=_require(d, "intermediate_size"),
+            intermediate_size=_require(d, _intermediate_key(architecture)),
             num_hidden_layers=_require(d, "num_hidden_layers"),
             num_attention_heads=num_heads,
             num_key_value_heads=d.get("num_key_value_heads") or num_heads,
@@ -230,12 +261,13 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM"
             or bool(d.get("attention_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=_hidden_act(d, architecture),
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=partial_rotary_factor,
             **_gemma_attention(d, architecture),
             **_phi3_attention(d, architecture),
+            **_moe(d, architecture),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos_token_ids),
         )
@@ -333,6 +365,36 @@ def _phi3_attention(d: dict[str, Any], architecture: str) -> dict[str, Any]:
     return {"sliding_window": d["sliding_window"], "layer_types": ("sliding_attention",) * num_layers}
 
 
+def _intermediate_key(architecture: str) -> str:
+    """Qwen3-MoE's experts are ``moe_intermediate_size`` wide (its ``intermediate_size`` is
+    that of the dense layers we do not support)."""
+    return "moe_intermediate_size" if architecture == "Qwen3MoeForCausalLM" else "intermediate_size"
+
+
+def _moe(d: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """The router's settings as ModelConfig fields; {} for dense architectures. Settings whose
+    layers or routing the decoder does not implement are errors: Mixtral's training-time
+    ``router_jitter_noise``, Qwen3-MoE's dense layers (``mlp_only_layers``,
+    ``decoder_sparse_step`` > 1)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return {}
+    if architecture == "MixtralForCausalLM":
+        if d.get("router_jitter_noise"):
+            raise ValueError(f"router_jitter_noise={d['router_jitter_noise']} is not supported (need 0)")
+        num_experts, norm_topk_prob = _require(d, "num_local_experts"), True
+    else:
+        if d.get("mlp_only_layers") or d.get("decoder_sparse_step", 1) != 1:
+            raise ValueError(
+                f"Qwen3-MoE with dense layers (mlp_only_layers={d.get('mlp_only_layers')}, "
+                f"decoder_sparse_step={d.get('decoder_sparse_step')}) is not supported"
+            )
+        # Hub configs say num_experts; transformers 5 saves it as num_local_experts.
+        num_experts = d.get("num_experts") or _require(d, "num_local_experts")
+        norm_topk_prob = bool(d.get("norm_topk_prob", False))
+    return {"num_local_experts": num_experts, "num_experts_per_tok": _require(d, "num_experts_per_tok"),
+            "norm_topk_prob": norm_topk_prob}
+
+
 def _gemma_attention(d: dict[str, Any], architecture: str) -> dict[str, Any]:
     """Gemma's attention settings as ModelConfig fields; {} for other architectures. Without
     ``layer_types``, Gemma 2 alternates sliding and global layers (sliding first) and Gemma 3
@@ -384,15 +446,17 @@ def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
 
 
 def _max_positions(d: dict[str, Any], architecture: str) -> int:
-    """The context limit. Mistral v0.1 and Qwen2 with use_sliding_window slide over every
-    layer; they are capped to their window, within which full attention is exact (vLLM did
-    the same before it supported windows). Gemma's and Phi-3's windows are real
+    """The context limit. Mistral v0.1, Mixtral and Qwen2 / Qwen3(-MoE) with use_sliding_window
+    slide over every layer; they are capped to their window, within which full attention is
+    exact (vLLM did the same before it supported windows). Gemma's and Phi-3's windows are real
     (``layer_types``). LongRoPE caps it too (``_longrope_cap``)."""
     max_positions = _longrope_cap(d, _require(d, "max_position_embeddings"))
     if architecture in GEMMA_ARCHITECTURES + ("Phi3ForCausalLM",):
         return max_positions
     window = d.get("sliding_window")
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not d.get("use_sliding_window", False):
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM") and not d.get(
+        "use_sliding_window", False
+    ):
         window = None
     return min(max_positions, window) if window else max_positions
 

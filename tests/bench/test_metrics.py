@@ -175,6 +175,23 @@ def test_model_flops_count_every_weight_twice_per_token():
     assert s.bytes_moved(5) == 2 * (3 * per_layer + 64 * 300 + 2 * 3 * 2 * 16 * 5)
 
 
+def test_moe_flops_count_active_experts_and_bytes_every_expert():
+    """A Mixtral layer holds its router and 4 experts (transformers' count); a token's matmuls
+    use the router and 2 of them."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                           num_experts_per_tok=2)
+    layer = MixtralForCausalLM(config).model.layers[0]
+    held = sum(p.numel() for n, p in layer.named_parameters() if "norm" not in n)
+    s = M.ModelShape(64, 96, 3, 4, 2, 16, 300, dtype_bytes=2, num_experts=4, num_experts_per_tok=2)
+    assert s.layer_weights == held
+    assert s.layer_params == held - 2 * 3 * 64 * 96  # two experts idle per token
+    assert s.flops(10, 0, 0) == 2 * 10 * 3 * s.layer_params
+    assert s.bytes_moved(0) == 2 * (3 * held + 64 * 300)
+
+
 def test_efficiency_splits_prefill_and_decode_steps():
     s = M.ModelShape(64, 96, 3, 4, 2, 16, 300, dtype_bytes=2)
     records = [rec(0, [("a", 0, 8, True)]), rec(1, [("a", 8, 1, True)])]

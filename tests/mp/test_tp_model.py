@@ -291,8 +291,8 @@ def check_slices(results: list[dict], folder: Path, *, tp: int, pp: int, kv_alig
         assert [set(r["numels"]) for r in ranks] == [set(full)] * tp
         for name, numel in full.items():
             shares = [r["numels"][name] for r in ranks]
-            if "norm" in name or name.endswith("o_proj.bias"):
-                assert shares == [numel] * tp, name  # replicated
+            if "norm" in name or name.endswith(("o_proj.bias", "mlp.gate.weight")):
+                assert shares == [numel] * tp, name  # replicated (norms, o_proj's bias, an MoE's router)
             elif "qkv_proj" not in name or kv_aligned:
                 assert sum(shares) == numel, name
                 assert max(shares) * tp <= 1.25 * numel, (name, shares, numel)
@@ -382,6 +382,25 @@ def test_tp2_pp2_gemma3(tmp_path):
     results = run_ranks(tmp_path, folder, tp=2, pp=2)
     check_logits(results, folder)
     check_slices(results, folder, tp=2, pp=2, kv_aligned=True)
+
+
+def test_tp2_mixtral_experts(tmp_path):
+    """Mixtral's 4 experts (width 64) on 2 ranks: each holds its 32 rows of every expert's w1
+    and w3 and the same columns of its w2, reads only those, and routes with the whole router."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "mixtral", seed=13)
+    results = run_ranks(tmp_path, folder, tp=2)
+    assert all(r["numels"]["layers.0.mlp.w13"] == 4 * 2 * 32 * 64 for r in results)
+    check_logits(results, folder)
+    check_slices(results, folder, tp=2, pp=1, kv_aligned=True)
+
+
+def test_pp2_qwen3_moe(tmp_path):
+    """Qwen3-MoE over two stages, one MoE layer each (its top-2 weights not renormalized)."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "qwen3_moe", seed=14)
+    results = run_ranks(tmp_path, folder, tp=1, pp=2)
+    assert [r["stage"] for r in results] == [0, 1]
+    check_logits(results, folder)
+    check_slices(results, folder, tp=1, pp=2, kv_aligned=True)
 
 
 def test_tp2_pp2_tied_head_on_the_last_stage(tmp_path):

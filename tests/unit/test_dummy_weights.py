@@ -4,8 +4,10 @@ as it would a checkpoint. Checked against the one-process model, parameter by pa
 
 from __future__ import annotations
 
+import pytest
 import torch
-from helpers_model import write_tiny_model
+from helpers_model import write_tiny_checkpoint, write_tiny_model, write_word_level_tokenizer
+from safetensors import safe_open
 
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.runtime.model.loader import hf_weight_shapes, load_model
@@ -57,3 +59,26 @@ def test_shapes_cover_the_checkpoint(tmp_path):
     shapes = hf_weight_shapes(model.config)
     assert model.expected_weight_names() <= shapes.keys()
     assert shapes["model.norm.weight"] == (model.config.hidden_size,)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_moe_shapes_match_a_saved_checkpoint_and_expert_shards_tile(tmp_path, kind):
+    """An MoE's dummy tensors are named and shaped as transformers saves them (router and every
+    expert's projections), and two TP ranks' expert shares (each expert's gate and up rows, its
+    down columns) put back together equal the one-process experts."""
+    folder = write_tiny_checkpoint(tmp_path, kind)
+    write_word_level_tokenizer(folder)
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        saved = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    whole_model = _load(folder)
+    assert hf_weight_shapes(whole_model.config) == saved
+    whole = _params(whole_model)
+    contexts = [ParallelContext(rank=r, world_size=2, tp_size=2, pp_size=1, tp_group=object()) for r in range(2)]
+    ranks = [_params(_load(folder, parallel=ctx)) for ctx in contexts]
+    w13 = whole["layers.1.mlp.w13"]  # [E, gate rows | up rows, H]
+    inter = w13.shape[1] // 2
+    for part in (0, 1):
+        shards = [r["layers.1.mlp.w13"].chunk(2, dim=1)[part] for r in ranks]
+        assert torch.equal(torch.cat(shards, dim=1), w13[:, part * inter : (part + 1) * inter])
+    assert torch.equal(torch.cat([r["layers.1.mlp.w2"] for r in ranks], dim=2), whole["layers.1.mlp.w2"])
+    assert all(torch.equal(r["layers.1.mlp.gate.weight"], whole["layers.1.mlp.gate.weight"]) for r in ranks)

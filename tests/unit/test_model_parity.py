@@ -2,7 +2,7 @@
 
 Every kind (GQA Llama untied/tied, Llama-3 and linear RoPE scaling, Qwen2 with q/k/v bias,
 Mistral, Gemma 2 / 3 with sliding windows shorter than the prompts, Phi-3 with LongRoPE and
-fused checkpoint projections, Phi-4-mini's partial RoPE) runs: a whole-prompt prefill, chunked prefills through a shuffled paged cache followed
+fused checkpoint projections, Phi-4-mini's partial RoPE, Mixtral and Qwen3-MoE's routed experts) runs: a whole-prompt prefill, chunked prefills through a shuffled paged cache followed
 by greedy decoding, a packed mixed batch, and a two-stage pipeline split. CPU float32 must
 match transformers (eager attention) within 1e-4; the GPU tests check bf16 within bf16 noise.
 """
@@ -281,6 +281,66 @@ def test_gemma_refuses_deterministic_mode():
         model.set_ops(dataclasses.replace(torch_ops(), matmul=matmul_reference))
 
 
+def _mixtral_dict(**overrides):
+    return _llama_dict(architectures=["MixtralForCausalLM"], num_local_experts=8, num_experts_per_tok=2,
+                       router_jitter_noise=0.0, sliding_window=100) | overrides
+
+
+def _qwen3_moe_dict(**overrides):  # the hub's layout (num_experts, moe_intermediate_size)
+    return _llama_dict(architectures=["Qwen3MoeForCausalLM"], num_experts=128, num_experts_per_tok=8,
+                       moe_intermediate_size=48, norm_topk_prob=True, sliding_window=100,
+                       decoder_sparse_step=1, mlp_only_layers=[]) | overrides
+
+
+def test_moe_configs():
+    """Mixtral renormalizes its top-k and its window caps the context (as Mistral's); Qwen3-MoE's
+    experts are moe_intermediate_size wide, its heads normed, its window off unless used."""
+    c = ModelConfig.from_hf_dict(_mixtral_dict())
+    assert (c.num_local_experts, c.num_experts_per_tok, c.norm_topk_prob, c.is_moe) == (8, 2, True, True)
+    assert (c.intermediate_size, c.max_position_embeddings, c.qk_norm) == (128, 100, False)
+    c = ModelConfig.from_hf_dict(_qwen3_moe_dict())
+    assert (c.num_local_experts, c.num_experts_per_tok, c.intermediate_size) == (128, 8, 48)
+    assert (c.norm_topk_prob, c.qk_norm, c.max_position_embeddings) == (True, True, 256)
+    assert not ModelConfig.from_hf_dict(_qwen3_moe_dict(norm_topk_prob=False)).norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    "d, message",
+    [
+        (_mixtral_dict(router_jitter_noise=0.01), "router_jitter_noise"),
+        (_mixtral_dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (_qwen3_moe_dict(mlp_only_layers=[1]), "dense layers"),
+        (_qwen3_moe_dict(decoder_sparse_step=2), "dense layers"),
+    ],
+)
+def test_moe_configs_reject_unsupported_settings(d, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_moe_refuses_deterministic_mode():
+    from pipeserve.kernels import torch_ops
+    from pipeserve.kernels.reference import matmul_reference
+
+    model = LlamaForCausalLM(ModelConfig.from_hf_dict(tiny_hf_config("mixtral").to_dict()))
+    with pytest.raises(ValueError, match="deterministic mode does not cover mixture-of-experts"):
+        model.set_ops(dataclasses.replace(torch_ops(), matmul=matmul_reference))
+
+
+def test_moe_checkpoint_errors_name_the_expert(tmp_path):
+    """An expert index past the model's, a misshapen expert and a missing one are load errors."""
+    folder = write_tiny_checkpoint(tmp_path, "mixtral")
+    weights = dict(iter_safetensors(folder))
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    weights[f"{prefix}.4.w1.weight"] = weights.pop(f"{prefix}.3.w1.weight")
+    weights[f"{prefix}.2.w2.weight"] = weights[f"{prefix}.2.w2.weight"][:, :-1]
+    with pytest.raises(ValueError) as e:
+        LlamaForCausalLM(ModelConfig.from_hf_folder(folder)).load_weights(weights.items())
+    assert "expert 4 of a model with 4 experts" in str(e.value)
+    assert f"{prefix}.2.w2.weight: checkpoint shape (64, 63)" in str(e.value)
+    assert f"missing parameters: {prefix}.3.w1.weight" in str(e.value)
+
+
 def test_phi3_fused_projection_with_wrong_rows_is_an_error(tmp_path):
     folder = write_tiny_checkpoint(tmp_path, "phi3")
     weights = dict(iter_safetensors(folder))
@@ -354,7 +414,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini", "mixtral",
+                                  "qwen3_moe"])
 def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kind, backend):
     from pipeserve.kernels import kernel_ops
 
@@ -374,7 +435,8 @@ def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kin
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini", "mixtral",
+                                  "qwen3_moe"])
 def test_gpu_bfloat16_matches_transformers_within_bf16_noise(tmp_path, kind):
     """bf16 error of ours vs the float32 reference is no worse than transformers' own bf16
     error (scaled), and greedy choices mostly agree."""

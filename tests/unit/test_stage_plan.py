@@ -1,11 +1,13 @@
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from pipeserve.parallel.stage_plan import (
     StageLayers,
     default_costs,
+    model_costs,
     plan_model_stages,
     plan_stages,
 )
@@ -66,6 +68,21 @@ def test_real_model_costs():
     assert 2 < llama3_8b["head_cost"] < 3
     with pytest.raises(ValueError):
         default_costs(0, 1, 1, 1, 1, 1)
+
+
+def test_moe_costs_count_active_experts():
+    """Mixtral-8x7B: a token runs 2 of 8 experts, so a layer's cost is its attention, router
+    and two experts' weights (not eight): the 32k-token head is worth ~1/3 layer, not ~0.09."""
+    attention = 2 * 4096 * 4096 + 2 * 4096 * 1024
+    expert = 3 * 4096 * 14336
+    costs = default_costs(4096, 14336, 32000, 32, 8, 128, num_experts=8, num_experts_per_tok=2)
+    assert costs["head_cost"] == pytest.approx(4096 * 32000 / (attention + 4096 * 8 + 2 * expert))
+    assert 0.3 < costs["head_cost"] < 0.35
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, vocab_size=32000, num_attention_heads=32,
+                             num_key_value_heads=8, head_dim=128, num_local_experts=8, num_experts_per_tok=2)
+    assert model_costs(config) == costs
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        default_costs(4096, 14336, 32000, 32, 8, 128, num_experts=8, num_experts_per_tok=0)
 
 
 def brute_force(num_layers, num_stages, layer_cost, embedding_cost, head_cost):
