@@ -73,6 +73,7 @@ def torchrun(*flags: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *flags, "-m", "pipeserve.launch.cli", *ARGS, *PARALLEL]
 
 
+@pytest.mark.slow  # (CI time: the two-launch test below runs the same four ranks under torchrun)
 def test_one_launch_of_four_ranks(single, tmp_path):
     out = finish(run(torchrun("--standalone", "--nproc-per-node=4"), tmp_path, "one"))
     assert "Paris" in out and answers(out) == single

@@ -47,7 +47,14 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float().cpu() - b.float().cpu()).abs().max().item()
 
 
-@pytest.fixture(scope="module", params=TINY_KINDS)
+# Under -m slow only (CI time): the scaled RoPE variants (their frequencies against transformers'
+# are test_rope_inv_freq_matches_transformers, in CI) and Qwen3-MoE, the slowest reference (the
+# MoE block runs in CI through Mixtral, the q/k norms through Qwen3).
+SLOW_KINDS = ("llama_linear_rope", "llama_yarn_rope", "qwen3_moe")
+
+
+@pytest.fixture(scope="module", params=[pytest.param(k, marks=pytest.mark.slow) if k in SLOW_KINDS else k
+                                        for k in TINY_KINDS])
 def tiny(request, tmp_path_factory):
     """A tiny checkpoint of one kind, our model of it, and transformers' (float32, CPU)."""
     kind = request.param
