@@ -171,7 +171,7 @@ class CompletionRequest(_SamplingRequest):
     """Prepend each prompt's text to its choices' text."""
     suffix: str | None = None
     best_of: int | None = None
-    """Accepted when null or equal to n (vLLM's v1 engine does not rank extra candidates either)."""
+    """Accepted when null or equal to n: extra candidates to rank are not generated (nor by vLLM's engine)."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -18,6 +18,7 @@ JSON (``required_schema``, ``named_schema``, vLLM's schemas) and read by ``calls
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass
@@ -40,8 +41,9 @@ def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-class ToolCallParser:
-    """Splits streamed text into content and complete calls (``feed``, then ``finish``)."""
+class ToolCallParser(abc.ABC):
+    """Splits streamed text into content and complete calls (``feed``, then ``finish``); one
+    subclass per output format."""
 
     @staticmethod
     def of(name: str) -> ToolCallParser:
@@ -51,11 +53,13 @@ class ToolCallParser:
         self._space = ""  # whitespace held back: dropped next to a call, kept before more content
         self.num_calls = 0
 
+    @abc.abstractmethod
     def feed(self, text: str) -> list[str | ToolCall]:
-        raise NotImplementedError
+        """The pieces that ``text`` (the next part of the output) completes, in order."""
 
+    @abc.abstractmethod
     def finish(self) -> list[str | ToolCall]:
-        raise NotImplementedError
+        """The pieces still held back once the output has ended."""
 
     def _content(self, text: str) -> list[str | ToolCall]:
         held = self._space + text
