@@ -2,24 +2,44 @@
 that make ``tool_choice: "required"`` or a named function produce calls.
 
     parser = ToolCallParser.of("hermes")                    # or "llama3_json"
-    for piece in parser.feed(text_delta): ...               # str (content) or ToolCall
+    for piece in parser.feed(text_delta): ...               # str, ToolCall or MoreArguments
     for piece in parser.finish(): ...
     content, calls = parse_tool_calls("hermes", text)       # the same pieces, collected
 
 One streaming parser per format serves both answers: the non-streamed one feeds the whole text
-at once, so a stream's deltas always add up to the non-streamed message, however the text was
-split. A call is emitted once it is complete (its arguments as one piece); text around the calls
-is content, except whitespace next to a call. Text that looks like a call but is not one (bad
-JSON, no name) is content, as written.
+at once, and every decision depends on the text read so far, never on how it was split, so a
+stream's pieces always add up to the non-streamed message.
 
-``tool_choice: "required"`` and a named function need no parser: the output is constrained to
-JSON (``required_schema``, ``named_schema``, vLLM's schemas) and read by ``calls_from_required``.
+A call begins (``ToolCall``, its name and no arguments yet) once the output holds its head,
+``{"name": "<name>", "arguments": `` followed by ``{`` (any JSON whitespace between; Llama 3
+may write "parameters"), and its arguments then come as the model writes them
+(``MoreArguments``). Text is held back only while it may still become a call: a partial
+``<tool_call>`` tag; the start of a Llama 3 or "required" output, and what follows a call there
+(a separator); a head not yet whole (so a name always goes out whole); an object without a head
+until it ends (Hermes: until ``</tool_call>``), since a call object whose name is not its first
+member is a call all the same, sent whole; inside the arguments, only a token not yet whole (a
+number or literal until the character after it, a string escape). An object that is not a call
+(bad JSON, no name, no arguments object) is content, as written. Text around the calls is
+content, except whitespace next to a call; text still held when the output ends (cut inside a
+head) is content as written.
+
+The arguments are written as ``json.dumps(arguments, ensure_ascii=False)`` writes them
+(``", "`` and ``": "``, its string escapes, numbers as Python writes them; a repeated key kept,
+a lone surrogate, which UTF-8 cannot carry, escaped), token by token as they are read
+(``_JsonReader``): the same text, streamed or not. Once a call has begun it stays
+a call: if its JSON breaks, the arguments end there (not valid JSON, as a cut output's are) and
+the rest of the call is dropped.
+
+``tool_choice: "required"`` and a named function constrain the output to JSON
+(``required_schema``, ``named_schema``, vLLM's schemas), read by the same machinery: a JSON array
+of calls, or one call's arguments object.
 """
 
 from __future__ import annotations
 
 import abc
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -29,160 +49,174 @@ PARSERS = ("hermes", "llama3_json")
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
+    """A call: its name, and its arguments as JSON text (as far as they are read, when streamed)."""
+
     name: str
     arguments: str
-    """The arguments object as JSON text."""
 
     def as_openai(self, call_id: str) -> dict:
         return {"id": call_id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True, slots=True)
+class MoreArguments:
+    """The next text of the last call's arguments."""
+
+    text: str
 
 
 def new_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-class ToolCallParser(abc.ABC):
-    """Splits streamed text into content and complete calls (``feed``, then ``finish``); one
-    subclass per output format."""
+# ---- JSON as it streams ------------------------------------------------------------------------
 
-    @staticmethod
-    def of(name: str) -> ToolCallParser:
-        return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[name]()
-
-    def __init__(self) -> None:
-        self._space = ""  # whitespace held back: dropped next to a call, kept before more content
-        self.num_calls = 0
-
-    @abc.abstractmethod
-    def feed(self, text: str) -> list[str | ToolCall]:
-        """The pieces that ``text`` (the next part of the output) completes, in order."""
-
-    @abc.abstractmethod
-    def finish(self) -> list[str | ToolCall]:
-        """The pieces still held back once the output has ended."""
-
-    def _content(self, text: str) -> list[str | ToolCall]:
-        held = self._space + text
-        kept = held.rstrip()
-        self._space = held[len(kept):]
-        return [kept] if kept else []
-
-    def _call(self, call: ToolCall) -> list[str | ToolCall]:
-        self._space = ""
-        self.num_calls += 1
-        return [call]
-
-    def _end(self) -> list[str | ToolCall]:
-        space, self._space = self._space, ""
-        return [space] if space and not self.num_calls else []
+_SPACE = re.compile(r"[ \t\n\r]*")
+_CHAR = r'[^"\\\x00-\x1f]'
+_STRING = re.compile(rf'"(?:{_CHAR}|\\["\\/bfnrt]|\\u[0-9a-fA-F]{{4}})*"')
+_OPEN_STRING = re.compile(rf'"(?:{_CHAR}|\\["\\/bfnrt]|\\u[0-9a-fA-F]{{4}})*(?:\\(?:u[0-9a-fA-F]{{0,3}})?)?')
+# A string's characters and escapes that decode alone: a high surrogate's escape only once the
+# text after it shows whether a low one follows (json pairs them).
+_STRING_PART = re.compile(
+    rf'(?:{_CHAR}+|\\["\\/bfnrt]|\\u(?![dD][89abAB])[0-9a-fA-F]{{4}}'
+    r'|\\u[dD][89abAB][0-9a-fA-F]{2}(?:\\u[dD][c-fC-F][0-9a-fA-F]{2}|(?=[^\\]|\\[^u]|\\u[0-9a-fA-F]{4})))+')
+_ESCAPE_START = re.compile(r"\\(?:u[0-9a-fA-F]{0,4}(?:\\(?:u[0-9a-fA-F]{0,3})?)?)?")
+_BARE = re.compile(r"[-+.0-9a-zA-Z]+")
+_BARE_TOKEN = re.compile(r"true|false|null|-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_OPENER = {"}": "{", "]": "["}
 
 
-class HermesParser(ToolCallParser):
-    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number,
-    anywhere in the text; an unclosed last one is read up to the end of the output."""
+def _utf8(text: str) -> str:
+    """``text`` with each lone surrogate (which UTF-8 cannot carry) as its ``\\u`` escape."""
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
 
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._buffer = ""
-        self._in_call = False
+def _dumps(value: Any) -> str:
+    """``json.dumps(value, ensure_ascii=False)``, UTF-8 safe."""
+    return _utf8(json.dumps(value, ensure_ascii=False))
 
-    def feed(self, text: str) -> list[str | ToolCall]:
-        self._buffer += text
-        out: list[str | ToolCall] = []
-        while True:
-            if self._in_call:
-                end = self._buffer.find(self.CLOSE)
-                if end < 0:
-                    return out
-                out += self._body(self._buffer[:end], closed=True)
-                self._buffer, self._in_call = self._buffer[end + len(self.CLOSE):], False
+
+class _JsonReader:
+    """Reads one JSON value from text that comes in pieces, and writes it as ``_dumps`` writes
+    the value it parses to, token by token: a string's characters as they come, a number or
+    literal once the character after it shows it whole. Keys stay in their order, a repeated
+    one too."""
+
+    def __init__(self, *, in_object: bool = False) -> None:
+        # in_object: start inside an object, after one of its values (to read the rest of it)
+        self._open: list[str] = ["{"] if in_object else []  # the containers not yet closed
+        # What comes next: "value"; "{" or "[" (a container's first value or key, or its close);
+        # "key"; ":"; "," (a separator or a close); "string" (inside one; a key's if _key).
+        self._next = "," if in_object else "value"
+        self._key = False
+        self.done = self.broken = False
+
+    def read(self, text: str) -> tuple[str, int]:
+        """(what ``text`` writes, how many of its characters were read). Reading stops at the
+        value's end (``done``), at a character JSON does not allow there (``broken``), or before a
+        token that ``text`` does not hold whole."""
+        out, pos = [], 0
+        while pos < len(text) and not (self.done or self.broken):
+            step = self._string(text, pos) if self._next == "string" else self._token(text, pos)
+            if step is None:
+                break
+            out.append(step[0])
+            pos = step[1]
+        return "".join(out), pos
+
+    def _token(self, text: str, pos: int) -> tuple[str, int] | None:
+        c, expect = text[pos], self._next
+        if c in " \t\n\r":
+            return "", _SPACE.match(text, pos).end()
+        if c in _OPENER and expect in ("{", "[", ",") and self._open[-1:] == [_OPENER[c]]:
+            self._open.pop()
+            self._ended()
+            return c, pos + 1
+        if c == "," == expect:
+            self._next = "key" if self._open[-1] == "{" else "value"
+            return ", ", pos + 1
+        if c == ":" == expect:
+            self._next = "value"
+            return ": ", pos + 1
+        if c == '"' and expect in ("value", "[", "key", "{"):
+            self._next, self._key = "string", expect in ("key", "{")
+            return '"', pos + 1
+        if expect in ("value", "["):
+            if c in "{[":
+                self._open.append(c)
+                self._next = c
+                return c, pos + 1
+            if bare := _BARE.match(text, pos):
+                return None if bare.end() == len(text) else self._bare(bare.group(), bare.end())
+        self.broken = True
+        return None
+
+    def _string(self, text: str, pos: int) -> tuple[str, int] | None:
+        if part := _STRING_PART.match(text, pos):
+            return _dumps(json.loads(f'"{part.group()}"'))[1:-1], part.end()
+        if text[pos] == '"':
+            if self._key:
+                self._next = ":"
             else:
-                start = self._buffer.find(self.OPEN)
-                if start < 0:  # keep back what may be the start of a tag
-                    keep = _partial_suffix(self._buffer, self.OPEN)
-                    out += self._content(self._buffer[:len(self._buffer) - keep])
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
-                    return out
-                out += self._content(self._buffer[:start])
-                self._buffer, self._in_call = self._buffer[start + len(self.OPEN):], True
+                self._ended()
+            return '"', pos + 1
+        if not _ESCAPE_START.fullmatch(text, pos):  # else an escape not yet whole
+            self.broken = True
+        return None
 
-    def finish(self) -> list[str | ToolCall]:
-        rest, self._buffer = self._buffer, ""
-        out = self._body(rest, closed=False) if self._in_call else self._content(rest)
-        return out + self._end()
+    def _bare(self, token: str, end: int) -> tuple[str, int] | None:
+        """A number, true, false or null, as json reads and writes it."""
+        if _BARE_TOKEN.fullmatch(token):
+            try:
+                written = _dumps(json.loads(token))
+            except ValueError:  # an integer longer than Python reads
+                pass
+            else:
+                self._ended()
+                return written, end
+        self.broken = True
+        return None
 
-    def _body(self, body: str, closed: bool) -> list[str | ToolCall]:
-        call = _call_of(body.strip(), "arguments")
-        if call is None:
-            return self._content(self.OPEN + body + (self.CLOSE if closed else ""))
-        return self._call(call)
-
-
-class Llama3JsonParser(ToolCallParser):
-    """Llama 3.x's JSON calls: an output that starts (after ``<|python_tag|>``, if the special
-    tokens are kept) with ``{"name": ..., "parameters": {...}}`` ("arguments" too), several
-    separated by ";". Such an output is held to its end and is all calls or all content."""
-
-    TAG = "<|python_tag|>"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._buffer = ""
-        self._mode: str | None = None  # "calls" or "content" once the output's start tells
-
-    def feed(self, text: str) -> list[str | ToolCall]:
-        if self._mode == "content":
-            return self._content(text)
-        self._buffer += text
-        if self._mode is None:
-            head = self._buffer.lstrip()
-            if not head or (self.TAG.startswith(head) and head != self.TAG):
-                return []
-            self._mode = "calls" if head.startswith(("{", self.TAG)) else "content"
-            if self._mode == "content":
-                text, self._buffer = self._buffer, ""
-                return self._content(text)
-        return []
-
-    def finish(self) -> list[str | ToolCall]:
-        text, self._buffer = self._buffer, ""
-        if self._mode == "calls" and (calls := _llama_calls(text.strip().removeprefix(self.TAG))):
-            return [piece for call in calls for piece in self._call(call)]
-        return self._content(text) + self._end()
+    def _ended(self) -> None:
+        """A value ended: the whole one, or one inside a container."""
+        if self._open:
+            self._next = ","
+        else:
+            self.done = True
 
 
-def _llama_calls(text: str) -> list[ToolCall] | None:
-    decoder, calls, pos = json.JSONDecoder(), [], 0
-    while True:
-        try:
-            value, pos = decoder.raw_decode(text, pos)
-        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-            return None
-        call = _call_of(value, "parameters" if isinstance(value, dict) and "parameters" in value else "arguments")
-        if call is None:
-            return None
-        calls.append(call)
-        rest = text[pos:].lstrip()
-        if not rest:
-            return calls
-        if not rest.startswith(";"):
-            return None
-        pos = len(text) - len(rest[1:].lstrip())
+def _head(text: str, keys: tuple[str, ...]) -> tuple[str, int] | bool:
+    """A call's head at the start of ``text``: ``{"name": "<name>", "<one of keys>": `` before
+    ``{``, JSON whitespace between. (the name, where its arguments begin) once ``text`` holds
+    it whole; else whether ``text`` may still become one."""
+    pos, name = 0, ""
+    for options in (("{",), ('"name"',), (":",), None, (",",), tuple(f'"{k}"' for k in keys), (":",), ("{",)):
+        pos = _SPACE.match(text, pos).end()
+        if options is None:  # the name
+            if not (string := _STRING.match(text, pos)):
+                return pos == len(text) or _OPEN_STRING.fullmatch(text, pos) is not None
+            name, pos = _utf8(json.loads(string.group())), string.end()
+            continue
+        rest = text[pos:]
+        if not (hit := next((o for o in options if rest.startswith(o)), None)):
+            return any(o.startswith(rest) for o in options)
+        pos += len(hit)
+    return name, pos - 1
 
 
-def _call_of(value: str | Any, arguments_key: str) -> ToolCall | None:
-    """The call in a JSON object (or its text) {"name": str, arguments_key: object}, else None."""
+def _call_of(value: str | Any, keys: tuple[str, ...]) -> ToolCall | None:
+    """The call in a JSON object (or its text), ``{"name": str, one of keys: object}`` in any
+    order (the first of keys it has), else None."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
+        except (ValueError, RecursionError):  # RecursionError: nested too deep
             return None
-    if (not isinstance(value, dict) or not isinstance(value.get("name"), str)
-            or not isinstance(value.get(arguments_key, {}), dict)):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    return ToolCall(value["name"], json.dumps(value.get(arguments_key, {}), ensure_ascii=False))
+    arguments = next((value[k] for k in keys if k in value), None)
+    return ToolCall(_utf8(value["name"]), _dumps(arguments)) if isinstance(arguments, dict) else None
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -193,12 +227,288 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
+# ---- the parsers -------------------------------------------------------------------------------
+
+Piece = str | ToolCall | MoreArguments
+
+
+class ToolCallParser(abc.ABC):
+    """Splits streamed text into pieces (``feed``, then ``finish``): content (``str``), a call's
+    start (``ToolCall``) and its arguments' next text (``MoreArguments``); one subclass per
+    output format."""
+
+    @staticmethod
+    def of(name: str) -> ToolCallParser:
+        return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[name]()
+
+    def __init__(self) -> None:
+        self._space = ""  # whitespace held back: dropped next to a call, kept before more content
+        self._buffer = ""  # text not yet read
+        self._json: _JsonReader | None = None  # a call's arguments, or the rest of its object
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[Piece]:
+        """The pieces that ``text`` (the next part of the output) completes, in order."""
+        self._buffer += text
+        out: list[Piece] = []
+        while self._step(out):
+            pass
+        return out
+
+    @abc.abstractmethod
+    def finish(self) -> list[Piece]:
+        """The pieces still held back once the output has ended."""
+
+    @abc.abstractmethod
+    def _step(self, out: list[Piece]) -> bool:
+        """Reads what it can of the buffer, adding the pieces to ``out``; False once it waits
+        for more text."""
+
+    def _content(self, text: str) -> list[Piece]:
+        held = self._space + text
+        kept = held.rstrip()
+        self._space = held[len(kept):]
+        return [kept] if kept else []
+
+    def _call(self, call: ToolCall) -> list[Piece]:
+        self._space = ""
+        self.num_calls += 1
+        return [call]
+
+    def _begin(self, name: str) -> list[Piece]:
+        """A call whose arguments the buffer goes on with."""
+        self._json = _JsonReader()
+        return self._call(ToolCall(name, ""))
+
+    def _arguments(self) -> list[Piece]:
+        """The arguments' next text that the buffer holds; it keeps what is not read."""
+        text, n = self._json.read(self._buffer)
+        self._buffer = self._buffer[n:]
+        return [MoreArguments(text)] if text else []
+
+    def _cut(self) -> list[Piece]:
+        """The arguments' last token, as written, of an output that ended inside them."""
+        rest, self._buffer = self._buffer, ""
+        return [MoreArguments(rest)] if rest else []
+
+    def _end(self) -> list[Piece]:
+        space, self._space = self._space, ""
+        return [space] if space and not self.num_calls else []
+
+
+class HermesParser(ToolCallParser):
+    """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number,
+    anywhere in the text; an unclosed last one is read up to the end of the output. After a
+    call's arguments, the rest of its text up to ``</tool_call>`` is dropped."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    KEYS = ("arguments",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        # content; head (after <tool_call>); whole (a body read at its </tool_call>);
+        # arguments; drop (the rest of a call, to its </tool_call>)
+        self._state = "content"
+
+    def _step(self, out: list[Piece]) -> bool:
+        buffer = self._buffer
+        if self._state == "content":
+            start = buffer.find(self.OPEN)
+            end = start if start >= 0 else len(buffer) - _partial_suffix(buffer, self.OPEN)
+            out += self._content(buffer[:end])
+            if start < 0:  # keep back what may be the start of a tag
+                self._buffer = buffer[end:]
+                return False
+            self._buffer, self._state = buffer[start + len(self.OPEN):], "head"
+        elif self._state == "head":
+            end = buffer.find(self.CLOSE)
+            head = _head(buffer if end < 0 else buffer[:end], self.KEYS)
+            if head is True and end < 0:
+                return False
+            if isinstance(head, bool):
+                self._state = "whole"
+            else:
+                out += self._begin(head[0])
+                self._buffer, self._state = buffer[head[1]:], "arguments"
+        elif self._state == "whole":
+            end = buffer.find(self.CLOSE)
+            if end < 0:
+                return False
+            out += self._body(buffer[:end], closed=True)
+            self._buffer, self._state = buffer[end + len(self.CLOSE):], "content"
+        elif self._state == "arguments":
+            out += self._arguments()
+            if not (self._json.done or self._json.broken):
+                return False
+            self._state = "drop"
+        else:
+            end = buffer.find(self.CLOSE)
+            if end < 0:
+                self._buffer = buffer[len(buffer) - _partial_suffix(buffer, self.CLOSE):]
+                return False
+            self._buffer, self._state = buffer[end + len(self.CLOSE):], "content"
+        return True
+
+    def finish(self) -> list[Piece]:
+        if self._state == "arguments":
+            return self._cut()
+        rest, self._buffer = self._buffer, ""
+        if self._state == "content":
+            out = self._content(rest)
+        else:
+            out = self._body(rest, closed=False) if self._state in ("head", "whole") else []
+        return out + self._end()
+
+    def _body(self, body: str, closed: bool) -> list[Piece]:
+        """A call body that has no head, read whole: a call, else content as written."""
+        call = _call_of(body, self.KEYS)
+        if call is None:
+            return self._content(self.OPEN + body + (self.CLOSE if closed else ""))
+        return self._call(call)
+
+
+class _CallList(ToolCallParser):
+    """Calls written as JSON objects one after another: the first after one of ``FIRST``, each
+    next after one of ``LATER``, then ``CLOSE`` (where the format has one). The first text that
+    does not go on with calls ends them: from there on, the output is content as written. After
+    a call's arguments, the rest of its object is dropped; once a call's JSON breaks, the rest
+    of the output is."""
+
+    FIRST: tuple[str, ...]
+    LATER: tuple[str, ...]
+    CLOSE: str | None
+    KEYS: tuple[str, ...]
+
+    def __init__(self) -> None:
+        super().__init__()
+        # lead (before a call); object (one without a head, read to its end); arguments; rest
+        # (of a call's object); content; drop
+        self._state = "lead"
+        self._start = self._read = 0  # "object": where it starts in the buffer, how far it is read
+
+    def _step(self, out: list[Piece]) -> bool:
+        if self._state == "lead":
+            return self._lead(out)
+        if self._state == "object":
+            return self._object(out)
+        if self._state in ("arguments", "rest"):
+            if self._state == "arguments":
+                out += self._arguments()
+            else:
+                self._buffer = self._buffer[self._json.read(self._buffer)[1]:]
+            if not (self._json.done or self._json.broken):
+                return False
+            if self._json.broken:
+                self._state = "drop"
+            elif self._state == "arguments":
+                self._json, self._state = _JsonReader(in_object=True), "rest"
+            else:
+                self._state = "lead"
+            return True
+        if self._state == "content":
+            out += self._content(self._buffer)
+        self._buffer = ""
+        return False
+
+    def _lead(self, out: list[Piece]) -> bool:
+        """What follows the output's start or a call: another call (its head, or an object
+        without one), the close, or content; or nothing yet."""
+        text = self._buffer
+        rest = text[_SPACE.match(text).end():]
+        wait, start = False, None
+        for lead in self.LATER if self.num_calls else self.FIRST:
+            if not rest.startswith(lead):
+                wait |= lead.startswith(rest)
+                continue
+            after = len(text) - len(rest) + len(lead)
+            head = _head(text[after:], self.KEYS)
+            if isinstance(head, tuple):
+                out += self._begin(head[0])
+                self._buffer, self._state = text[after + head[1]:], "arguments"
+                return True
+            wait |= head
+            after = _SPACE.match(text, after).end()
+            if text.startswith("{", after):
+                start = after
+        if wait:
+            return False
+        if start is not None:
+            self._json, self._state, self._start, self._read = _JsonReader(), "object", start, start
+        elif self.CLOSE is not None and self.num_calls and rest.startswith(self.CLOSE):
+            self._buffer, self._state = rest[len(self.CLOSE):], "content"
+        else:
+            self._state = "content"
+        return True
+
+    def _object(self, out: list[Piece]) -> bool:
+        """An object without a call's head: a call all the same once it ends, else content."""
+        self._read += self._json.read(self._buffer[self._read:])[1]
+        if not (self._json.done or self._json.broken):
+            return False
+        call = _call_of(self._buffer[self._start:self._read], self.KEYS) if self._json.done else None
+        if call is None:
+            self._state = "content"
+        else:
+            out += self._call(call)
+            self._buffer, self._state = self._buffer[self._read:], "lead"
+        return True
+
+    def finish(self) -> list[Piece]:
+        if self._state == "arguments":
+            return self._cut()
+        rest, self._buffer = self._buffer, ""
+        out = self._content(rest) if self._state in ("lead", "object", "content") else []
+        return out + self._end()
+
+
+class Llama3JsonParser(_CallList):
+    """Llama 3.x's JSON calls: an output that starts (after ``<|python_tag|>``, if the special
+    tokens are kept) with ``{"name": ..., "parameters": {...}}`` ("arguments" too), several
+    separated by ";". An output that does not start with a call is content."""
+
+    FIRST, LATER, CLOSE = ("<|python_tag|>", ""), (";",), None
+    KEYS = ("parameters", "arguments")
+
+
+class _Required(_CallList):
+    """The output of ``required_schema``: ``[{"name": ..., "parameters": {...}}, ...]``."""
+
+    FIRST, LATER, CLOSE = ("[",), (",",), "]"
+    KEYS = ("parameters",)
+
+
+class _Named(ToolCallParser):
+    """The output of ``named_schema``: the named function's arguments object."""
+
+    def __init__(self, function: str) -> None:
+        super().__init__()
+        self._function = function
+
+    def _step(self, out: list[Piece]) -> bool:
+        if self._buffer and not self.num_calls:
+            out += self._begin(self._function)
+        if self.num_calls and not (self._json.done or self._json.broken):
+            out += self._arguments()
+        else:  # text after the arguments object: dropped
+            self._buffer = ""
+        return False
+
+    def finish(self) -> list[Piece]:
+        return self._cut() if self.num_calls and not (self._json.done or self._json.broken) else []
+
+
 def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
     """(content or None, calls) of a whole output."""
     p = ToolCallParser.of(parser)
-    pieces = p.feed(text) + p.finish()
-    content = "".join(x for x in pieces if isinstance(x, str))
-    return content or None, [x for x in pieces if isinstance(x, ToolCall)]
+    content, calls = "", []
+    for piece in p.feed(text) + p.finish():
+        if isinstance(piece, str):
+            content += piece
+        elif isinstance(piece, ToolCall):
+            calls.append(piece)
+        else:
+            calls[-1] = ToolCall(calls[-1].name, calls[-1].arguments + piece.text)
+    return content or None, calls
 
 
 # ---- constrained tool choice ------------------------------------------------------------------
@@ -220,16 +530,6 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
             "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
 
 
-def calls_from_required(text: str) -> list[ToolCall] | None:
-    """The calls of a ``required_schema`` output; None where it is not one (cut short)."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-        return None
-    calls = [_call_of(item, "parameters") for item in value] if isinstance(value, list) else [None]
-    return None if None in calls else calls
-
-
 # ---- one choice's calls, streamed or whole ----------------------------------------------------
 
 
@@ -242,30 +542,19 @@ class ChoiceToolCalls:
     def __init__(self, tool_choice: str, *, parser: str | None = None, function: str | None = None,
                  parallel: bool = True) -> None:
         assert tool_choice in ("auto", "required", "named")
-        self.tool_choice, self.function, self.parallel = tool_choice, function, parallel
-        self._parser = ToolCallParser.of(parser) if tool_choice == "auto" else None
-        self._text = ""  # the "required" output, read at its end
+        self.parallel = parallel
+        if tool_choice == "auto":
+            self._parser = ToolCallParser.of(parser)
+        else:
+            self._parser = _Required() if tool_choice == "required" else _Named(function)
+        self._kept = False  # whether the call being read is answered (parallel_tool_calls false: the first)
         self.num_calls = 0
 
     def feed(self, text: str) -> list[dict]:
-        if self._parser is not None:
-            return self._deltas(self._parser.feed(text))
-        if self.tool_choice == "required":
-            self._text += text
-            return []
-        if not text:
-            return []
-        if self.num_calls == 0:  # the named function's arguments, streamed as they come
-            return self._deltas([ToolCall(self.function, text)])
-        return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}]
+        return self._deltas(self._parser.feed(text))
 
     def finish(self) -> list[dict]:
-        if self._parser is not None:
-            return self._deltas(self._parser.finish())
-        if self.tool_choice == "required":
-            calls = calls_from_required(self._text)
-            return self._deltas(calls if calls is not None else [self._text] if self._text else [])
-        return []
+        return self._deltas(self._parser.finish())
 
     def message(self, text: str) -> tuple[str | None, list[dict]]:
         """(content or None, tool_calls) of the whole output."""
@@ -279,13 +568,21 @@ class ChoiceToolCalls:
                     calls[call["index"]]["function"]["arguments"] += call["function"]["arguments"]
         return content or None, calls
 
-    def _deltas(self, pieces: list[str | ToolCall]) -> list[dict]:
-        out = []
+    def _deltas(self, pieces: list[Piece]) -> list[dict]:
+        """One delta a piece; a call's arguments joined to the delta before them when it is the
+        same call's."""
+        out: list[dict] = []
         for piece in pieces:
             if isinstance(piece, str):
                 out.append({"content": piece})
-            elif self.parallel or self.num_calls == 0:  # parallel_tool_calls false: the first call only
-                call = piece.as_openai(new_call_id())
-                out.append({"tool_calls": [{"index": self.num_calls, **call}]})
-                self.num_calls += 1
+            elif isinstance(piece, ToolCall):
+                self._kept = self.parallel or self.num_calls == 0
+                if self._kept:
+                    out.append({"tool_calls": [{"index": self.num_calls, **piece.as_openai(new_call_id())}]})
+                    self.num_calls += 1
+            elif self._kept:
+                if out and "tool_calls" in out[-1]:
+                    out[-1]["tool_calls"][0]["function"]["arguments"] += piece.text
+                else:
+                    out.append({"tool_calls": [{"index": self.num_calls - 1, "function": {"arguments": piece.text}}]})
         return out

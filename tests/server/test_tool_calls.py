@@ -2,7 +2,9 @@
 SmolLM2 with a Hermes-style chat template written here, ``server.tool_call_parser=hermes`` and
 ``server.enable_auto_tool_choice``. tool_choice "required" and a named function constrain the
 output, so even a 135M model answers valid calls; "auto" is checked against the parser on the
-same greedy output rendered with tool_choice "none"."""
+same greedy output rendered with tool_choice "none", and on a Hermes call that a regex makes the
+model write. Streamed, a call's arguments come over several deltas, which the client adds up to
+the non-streamed call."""
 
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+HERMES_CALL = (r'Let me check\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|London)", '
+               r'"unit": "(celsius|fahrenheit)"\}\}\n</tool_call>')
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,10 @@ def test_named_function_sync_stream_and_not(tool_server):
     assert _calls(streamed.choices[0].message) == _calls(whole.choices[0].message)
 
 
+def _arguments(message) -> list[tuple[str, str]]:
+    return [(c.function.name, c.function.arguments) for c in message.tool_calls or []]
+
+
 def test_required_async_stream_and_not(tool_server):
     kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=60, tool_choice="required")
 
@@ -98,14 +106,35 @@ def test_required_async_stream_and_not(tool_server):
         async with _client(tool_server, openai.AsyncOpenAI) as c:
             whole = await c.chat.completions.create(**kw)
             async with c.chat.completions.stream(**kw) as stream:
+                fragments = [e.arguments_delta async for e in stream if e.type == "tool_calls.function.arguments.delta"]
                 streamed = await stream.get_final_completion()
-        return whole, streamed
+        return whole, streamed, fragments
 
-    whole, streamed = asyncio.run(both())
+    whole, streamed, fragments = asyncio.run(both())
     assert whole.choices[0].finish_reason == streamed.choices[0].finish_reason == "tool_calls"
     assert whole.choices[0].message.content is None
     assert len(_calls(whole.choices[0].message)) >= 1
-    assert _calls(streamed.choices[0].message) == _calls(whole.choices[0].message)
+    assert _arguments(streamed.choices[0].message) == _arguments(whole.choices[0].message)
+    assert len([f for f in fragments if f]) > len(whole.choices[0].message.tool_calls)  # arguments over several deltas
+
+
+def test_auto_streams_a_call_as_the_model_writes_it(tool_server):
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=80,
+              extra_body={"guided_regex": HERMES_CALL})
+    with _client(tool_server) as c:
+        whole = c.chat.completions.create(**kw)
+        with c.chat.completions.stream(**kw) as stream:
+            events = list(stream)
+            streamed = stream.get_final_completion()
+    for r in (whole, streamed):
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content == "Let me check."
+    assert [name for name, _ in _calls(whole.choices[0].message)] == ["get_weather"]
+    assert _arguments(streamed.choices[0].message) == _arguments(whole.choices[0].message)
+    calls = [e.chunk.choices[0].delta.tool_calls[0] for e in events
+             if e.type == "chunk" and e.chunk.choices and e.chunk.choices[0].delta.tool_calls]
+    assert calls[0].id and calls[0].function.name == "get_weather"  # the first delta: id and name
+    assert all(c.id is None and c.function.name is None for c in calls[1:]) and len(calls) > 2
+    assert "".join(c.function.arguments for c in calls) == whole.choices[0].message.tool_calls[0].function.arguments
 
 
 def test_auto_reads_the_output_with_the_parser(tool_server):
