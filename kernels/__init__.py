@@ -9,6 +9,7 @@ the torch references (CPU, tests, parity with transformers) or the Triton kernel
     write_kv(k, v, kv_cache, slot_mapping) -> None
     paged_attention(q, kv_cache, meta, scale, *, sliding_window=None, softcap=None) -> out  # [T, h, d]
     moe_experts(x, w13, w2, topk_ids, topk_weights) -> out  # routed SwiGLU experts: [T, H] -> [T, H]
+    fp8_linear(x, w, w_scale, bias) -> y          # FP8 weight [N, K] with a scale per row: [M, K] -> [M, N]
     matmul(x, w, out_dtype) -> x @ w.T, or None     # None: the layers' F.linear (cuBLAS)
 
 ``kernel_ops(backend, device)`` picks the table: ``torch``, ``triton``, or ``auto`` (Triton on
@@ -38,6 +39,7 @@ class KernelOps:
     write_kv: Callable
     paged_attention: Callable
     moe_experts: Callable
+    fp8_linear: Callable
     matmul: Callable | None = None
 
 
@@ -53,6 +55,7 @@ def torch_ops() -> KernelOps:
         write_kv=reference.write_kv,
         paged_attention=reference.paged_attention,
         moe_experts=reference.moe_experts_reference,
+        fp8_linear=reference.fp8_linear_reference,
     )
 
 
@@ -70,6 +73,7 @@ def compile_cache_dir() -> str:
 def triton_ops() -> KernelOps:
     """The Triton kernels (CUDA; on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
     compile_cache_dir()  # (before the first compile)
+    from pipeserve.kernels.fp8 import fp8_linear
     from pipeserve.kernels.kv_cache import write_kv
     from pipeserve.kernels.moe import moe_experts
     from pipeserve.kernels.paged_attention import paged_attention
@@ -85,6 +89,7 @@ def triton_ops() -> KernelOps:
         write_kv=write_kv,
         paged_attention=paged_attention,
         moe_experts=moe_experts,
+        fp8_linear=fp8_linear,
     )
 
 

@@ -70,6 +70,15 @@ def matmul_reference(
     return (x.double() @ w.double().T).to(out_dtype or x.dtype)
 
 
+def fp8_linear_reference(
+    x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ (w · w_scale[:, None]).T + bias`` with the FP8 weight w [N, K] dequantized to x's
+    dtype (per output row scale w_scale [N] float32) and x [M, K] left as it is: the FP8
+    layers' path on the CPU, exact against a float model holding the dequantized weights."""
+    return F.linear(x, (w.float() * w_scale[:, None]).to(x.dtype), bias)
+
+
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)  # [T, I] each

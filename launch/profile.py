@@ -11,7 +11,8 @@ see ``Profiler.time``: this is a profile, not a serving run); fits
     t = per_token * max(num_tokens, knee_tokens) + per_attn * sum(q_i * ctx_i)
         + per_kv * sum(ctx_i) + per_seq * num_seqs + fixed
 
-with CostModel.fit; and writes the coefficients, the samples and the fit error to a JSON file
+(the attention terms counted as the scheduler counts them, sliding-window layers capped at
+their window: ``SlidingLayers``) with CostModel.fit; and writes the coefficients, the samples and the fit error to a JSON file
 that `scheduler.cost_model_path` reads (bench runs and sweeps reuse it). It prints the
 prediction for a typical micro-batch: the value to give `scheduler.time_budget_s`. With pipeline
 parallelism too the budget is the whole model's prediction (the scheduler compares it with
@@ -36,7 +37,7 @@ from pipeserve.runtime.worker.batch import StepInputs
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
 from pipeserve.runtime.model.loader import load_model, set_kernels
 from pipeserve.runtime.worker.model_runner import ModelRunner
-from pipeserve.scheduler import CostModel, Work
+from pipeserve.scheduler import CostModel, SlidingLayers, Work
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -192,7 +193,8 @@ def run_profile(cfg: DictConfig, out_dir: str, *, progress: bool = True) -> dict
                                 for k, v in OmegaConf.to_container(cfg.profile, resolve=True).items()})
     device = engine.torch_device()
     dtype = engine.torch_dtype(device)
-    loaded = load_model(engine.model, dtype=dtype, device=device, load_format=engine.load_format)
+    loaded = load_model(engine.model, dtype=dtype, device=device, load_format=engine.load_format,
+                        quantization=engine.quantization)
     set_kernels(loaded.model, engine, device)
     shapes = options.shapes()
     num_blocks = blocks_needed(shapes, engine.block_size)
@@ -200,7 +202,8 @@ def run_profile(cfg: DictConfig, out_dir: str, *, progress: bool = True) -> dict
                            block_size=engine.block_size, dtype=dtype, device=device)
     runner = ModelRunner(loaded.model, kv_caches=kv, block_size=engine.block_size, device=device)
     profiler = Profiler(runner, block_size=engine.block_size, vocab_size=loaded.config.vocab_size, device=device)
-    samples = [(Work.of(seqs), profiler.time(seqs, options.repeats))
+    sliding = SlidingLayers.of(loaded.config.layer_windows)
+    samples = [(Work.of(seqs, sliding), profiler.time(seqs, options.repeats))
                for seqs in tqdm(shapes, desc="profile", unit="shape", disable=not progress)]
     model = CostModel.fit(samples)
     three = CostModel.fit(samples, memory_terms=False)
@@ -211,7 +214,7 @@ def run_profile(cfg: DictConfig, out_dir: str, *, progress: bool = True) -> dict
         "cost_model": model.to_dict(),
         "relative_error": relative_errors(model, samples),
         "three_feature_fit": {"cost_model": three.to_dict(), "relative_error": relative_errors(three, samples)},
-        "suggested_time_budget_s": model.predict(Work.of([(1024, chunk)])),
+        "suggested_time_budget_s": model.predict(Work.of([(1024, chunk)], sliding)),
         "timing": "device" if device.type == "cuda" else "wall",
         "model": loaded.path, "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",

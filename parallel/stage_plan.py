@@ -57,9 +57,11 @@ def default_costs(
 
     Costs are matmul FLOPs per token, proportional to weight counts, with one decoder layer
     = 1.0: the layer's q/k/v/o projections and gated MLP; the head's ``hidden × vocab``
-    projection; the embedding is a lookup (0). Attention over the context, which grows with
-    it equally on every layer, and norms are left out (so Gemma's extra norms and its sliding
-    layers, whose attention the window caps, change nothing here).
+    projection; the embedding is a lookup (0). Norms and attention over the context are left
+    out: attention grows with the context lengths served, not with the model alone. Sliding-window
+    layers (whose attention the window caps) come in a fixed pattern (Gemma 2 every other layer,
+    Gemma 3 five of six, Phi-3 all), so every contiguous stage holds its layers' share of
+    full-attention layers to within one.
 
     A mixture-of-experts layer (``num_experts`` > 0) counts its ACTIVE weights: the router and
     the ``num_experts_per_tok`` experts a token runs, not all of them (which take memory, but

@@ -20,6 +20,14 @@ cut their input features into a fixed number of segments whose float32 partial p
 summed in one fixed binary tree (``tree_sum``) whatever the TP size, and logits stay float32.
 One GPU, a pipeline and a TP group then compute the same bits for every token.
 
+FP8 weights (``quantization="fp8"`` on the column- and row-parallel layers): the weight is held
+in ``float8_e4m3fn`` with a float32 ``weight_scale`` per local output row, and the product runs
+through the op table's ``fp8_linear`` (``kernels/fp8.py`` on the GPU; a dequantizing reference
+on the CPU). A float checkpoint tensor is quantized as it is loaded, row by row
+(``quantize_rows``); an FP8 checkpoint's tensor is copied as it is and its ``weight_scale``
+(one per tensor, or one per row) loaded beside it. A row-parallel rank's scale covers only its
+own columns: each rank's partial product is scaled before the sum, so that is exact.
+
 Each layer has ``weight_loader(param, loaded, part=None)``: ``loaded`` is the full checkpoint
 tensor, or a lazy slice of it (safetensors' ``get_slice``, ``GGUFTensorSlice``), indexed only
 with ``[a:b]`` / ``[:, a:b]`` so that only this rank's rows or columns are read. Loaders raise
@@ -28,6 +36,7 @@ ValueError on a checkpoint shape that does not match the model.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -37,7 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeserve.kernels.reference import fp8_linear_reference
 from pipeserve.parallel.context import ParallelContext, tp_all_gather, tp_all_reduce, tp_gather_list
+
+QUANTIZATIONS = ("fp8",)
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+_FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # an all-zero row still divides by something positive
 
 # --- splitting (pure) -----------------------------------------------------------------------
 
@@ -231,6 +246,22 @@ def read_cols(loaded: Any, start: int, stop: int) -> torch.Tensor:
     return loaded[:, start:stop]
 
 
+def is_fp8(loaded: Any) -> bool:
+    """A checkpoint tensor (or lazy slice) stored in float8_e4m3fn."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.dtype == FP8_DTYPE
+    get_dtype = getattr(loaded, "get_dtype", None)  # safetensors' slice: "F8_E4M3"
+    return get_dtype is not None and get_dtype() == "F8_E4M3"
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] float8_e4m3fn, s [N] float32) with ``q · s[:, None]`` ≈ ``w`` [N, K]: each
+    row scaled so that its largest magnitude maps to 448, then rounded to the nearest FP8."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_(min=_FP8_MIN_SCALE)  # [N]
+    return (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def default_weight_loader(param: torch.Tensor, loaded: Any) -> None:
     """A replicated parameter (norm weights, a TP-1 layer): the whole tensor."""
     check_shape(loaded, param.shape)
@@ -250,8 +281,73 @@ class _Numerics:
         self.numerics = numerics
 
 
+class _Quantizable(_Numerics, nn.Linear):
+    """A linear layer whose weight may be held in FP8 (``quantization="fp8"``): ``weight``
+    [out, in] float8_e4m3fn and ``weight_scale`` [out] float32 (None otherwise), multiplied by
+    ``fp8_linear`` (the op table's, set by the model's ``set_ops``; the reference until then)."""
 
-class ColumnParallelLinear(_Numerics, nn.Linear):
+    weight_scale: nn.Parameter | None
+    fp8_linear: Callable = staticmethod(fp8_linear_reference)
+
+    def _hold(self, quantization: str | None) -> None:
+        self.register_parameter("weight_scale", None)
+        if quantization is None:
+            return
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+        out_features, in_features = self.weight.shape
+        if out_features % 16 or in_features % 16:  # (what the FP8 tensor-core GEMM needs)
+            raise ValueError(
+                f"FP8 weights need both dimensions divisible by 16; a [{out_features}, "
+                f"{in_features}] shard is not"
+            )
+        device = self.weight.device
+        self.weight = nn.Parameter(torch.empty_like(self.weight, dtype=FP8_DTYPE), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.ones(out_features, dtype=torch.float32, device=device),
+                                         requires_grad=False)  # (float32 whatever the default dtype)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) on the fastest path this layer may take (not deterministic mode)."""
+        if self.weight_scale is not None:
+            return self.fp8_linear(x, self.weight, self.weight_scale, bias)
+        return F.linear(x, self.weight, bias)
+
+    def _load_rows(self, offset: int, rows: torch.Tensor) -> None:
+        """Local rows [offset, offset + len) of the weight from checkpoint values: as they are,
+        or quantized when the weight is FP8 and they are not."""
+        if self.weight_scale is None:
+            if rows.dtype == FP8_DTYPE:
+                raise ValueError("an FP8 checkpoint tensor for a layer that is not quantized")
+            self.weight.data[offset : offset + len(rows)].copy_(rows)
+            return
+        if rows.dtype != FP8_DTYPE:
+            rows, scale = quantize_rows(rows)
+            self.weight_scale.data[offset : offset + len(rows)].copy_(scale)
+        self.weight.data[offset : offset + len(rows)].copy_(rows)
+
+    def _load_scale(self, loaded: Any, offset: int, rows: Sequence[int] | None) -> None:
+        """An FP8 checkpoint's ``weight_scale``: one value for the whole tensor (shape [] or
+        [1]) or one per row ([rows] or [rows, 1]); ``rows``: which of them this rank holds
+        (None: all), placed from local row ``offset``."""
+        if self.weight_scale is None:
+            raise ValueError("a weight_scale for a layer that is not quantized")
+        full = checkpoint_shape(loaded)
+        count = self.weight_scale.shape[0] - offset if rows is None else len(rows)
+        values = loaded if isinstance(loaded, torch.Tensor) else loaded[...]  # (a scale is small)
+        if math.prod(full) == 1:
+            self.weight_scale.data[offset : offset + count].fill_(values.reshape(()).item())
+            return
+        if len(full) not in (1, 2) or (len(full) == 2 and full[1] != 1):
+            raise ValueError(f"weight_scale of shape {list(full)}: expected [], [1], [rows] or [rows, 1]")
+        values = values.reshape(-1).float()
+        values = values if rows is None else values[torch.as_tensor(list(rows), dtype=torch.long)]
+        if len(values) != count:
+            raise ValueError(f"weight_scale has {len(values)} rows, the weight {count}")
+        self.weight_scale.data[offset : offset + count].copy_(values)
+
+
+
+class ColumnParallelLinear(_Quantizable):
     """y = x W_r^T + b_r over this rank's output rows; no collective.
 
     ``parts`` maps each checkpoint tensor's id to (its full number of rows, the global rows of
@@ -267,6 +363,7 @@ class ColumnParallelLinear(_Numerics, nn.Linear):
         bias: bool,
         parallel: ParallelContext,
         parts: dict[Any, tuple[int, Sequence[int]]] | None = None,
+        quantization: str | None = None,
     ) -> None:
         if parts is None:
             parts = {None: (out_features, range(*_split(out_features, parallel)))}
@@ -278,19 +375,26 @@ class ColumnParallelLinear(_Numerics, nn.Linear):
         for part, (_, rows) in parts.items():
             self.part_offsets[part] = offset
             offset += len(rows)
+        self._hold(quantization)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out_local]
         if self.numerics is None:
-            return super().forward(x)
+            return self._product(x, self.bias)
         y = self.numerics.matmul(x, self.weight, None)
         return y if self.bias is None else y + self.bias
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
         full_rows, rows = self.parts[part]
-        check_shape(loaded, (full_rows, *param.shape[1:]))
         offset = self.part_offsets[part]
-        param.data[offset : offset + len(rows)].copy_(read_rows(loaded, rows))
+        if param is self.weight_scale:
+            self._load_scale(loaded, offset, rows)
+            return
+        check_shape(loaded, (full_rows, *param.shape[1:]))
+        if param is self.weight:
+            self._load_rows(offset, read_rows(loaded, rows))
+        else:
+            param.data[offset : offset + len(rows)].copy_(read_rows(loaded, rows))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -303,9 +407,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         *,
         bias: bool,
         parallel: ParallelContext,
+        quantization: str | None = None,
     ) -> None:
         parts = {i: (size, range(*_split(size, parallel))) for i, size in enumerate(output_sizes)}
-        super().__init__(in_features, sum(output_sizes), bias=bias, parallel=parallel, parts=parts)
+        super().__init__(in_features, sum(output_sizes), bias=bias, parallel=parallel, parts=parts,
+                         quantization=quantization)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -321,6 +427,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         heads: HeadShard,
         bias: bool,
         parallel: ParallelContext,
+        quantization: str | None = None,
     ) -> None:
         d = head_dim
         q_rows = range(heads.q_start * d, heads.q_stop * d)
@@ -332,10 +439,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             "v": (num_kv_heads * d, kv_rows),
         }
         out_features = (num_heads + 2 * num_kv_heads) * d
-        super().__init__(hidden_size, out_features, bias=bias, parallel=parallel, parts=parts)
+        super().__init__(hidden_size, out_features, bias=bias, parallel=parallel, parts=parts,
+                         quantization=quantization)
 
 
-class RowParallelLinear(_Numerics, nn.Linear):
+class RowParallelLinear(_Quantizable):
     """y = all_reduce(x_r W_r^T) + b over this rank's input columns [start, stop).
 
     ``cols`` defaults to an even split; o_proj passes its query heads' columns and its head
@@ -351,6 +459,7 @@ class RowParallelLinear(_Numerics, nn.Linear):
         parallel: ParallelContext,
         cols: tuple[int, int] | None = None,
         unit: int = 1,
+        quantization: str | None = None,
     ) -> None:
         start, stop = cols if cols is not None else _split(in_features, parallel)
         super().__init__(stop - start, out_features, bias=bias)
@@ -358,6 +467,7 @@ class RowParallelLinear(_Numerics, nn.Linear):
         self.parallel, self.unit = parallel, unit
         self.full_in_features, self.cols = in_features, (start, stop)
         self.segments: list[tuple[int, int]] = []
+        self._hold(quantization)
 
     def set_numerics(self, numerics: InvariantNumerics | None) -> None:
         super().set_numerics(numerics)
@@ -373,8 +483,8 @@ class RowParallelLinear(_Numerics, nn.Linear):
         if self.numerics is not None:
             return self._forward_invariant(x)
         if self.parallel.tp_size == 1:
-            return super().forward(x)
-        y = tp_all_reduce(F.linear(x, self.weight), self.parallel)
+            return self._product(x, self.bias)
+        y = tp_all_reduce(self._product(x, None), self.parallel)
         return y if self.bias is None else y + self.bias
 
     def _forward_invariant(self, x: torch.Tensor) -> torch.Tensor:
@@ -389,8 +499,11 @@ class RowParallelLinear(_Numerics, nn.Linear):
         if param is self.bias:
             default_weight_loader(param, loaded)
             return
+        if param is self.weight_scale:
+            self._load_scale(loaded, 0, None)
+            return
         check_shape(loaded, (self.out_features, self.full_in_features))
-        param.data.copy_(read_cols(loaded, *self.cols))
+        self._load_rows(0, read_cols(loaded, *self.cols))
 
 
 # --- vocabulary -------------------------------------------------------------------------------

@@ -101,6 +101,11 @@ class EngineConfig:
     """auto = read the weights; dummy = random weights of the checkpoint's shape (benchmarks)."""
     dtype: str = "auto"
     """float32, bfloat16 or float16; auto = bfloat16 on CUDA, float32 on CPU."""
+    quantization: str | None = None
+    """fp8 = the decoder's projections in FP8 with a scale per output row, a float checkpoint
+    quantized as it loads (half the weight memory: more KV blocks, a lower decode floor; FP8
+    tensor cores, Ada or Hopper, on CUDA; a dequantizing reference on the CPU); None = as the
+    checkpoint stores them (an FP8 checkpoint runs in FP8)."""
     device: str = "auto"
     """cpu, cuda, cuda:N; auto = cuda when available."""
     block_size: int = 16
@@ -151,6 +156,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or null, got {self.quantization!r}")
         if self.kernel_backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel_backend must be one of {KERNEL_BACKENDS}, got {self.kernel_backend!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -6,7 +6,7 @@ Never imports torch, zmq or hydra; every piece is testable in milliseconds. ``Sa
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig, SchedulerLimits
-from .cost_model import CostModel, Work
+from .cost_model import CostModel, SlidingLayers, Work
 from .request import Request, RequestStatus
 from .sampling_params import SamplingParams, StructuredOutputsParams
 from .scheduler import ScheduledRequest, Scheduler, SchedulerOutput
@@ -22,6 +22,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerLimits",
     "SchedulerOutput",
+    "SlidingLayers",
     "StructuredOutputsParams",
     "Work",
 ]

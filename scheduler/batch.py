@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .config import SchedulerConfig, SchedulerLimits
-from .cost_model import CostModel, Work, attention_work
+from .cost_model import CostModel, Work, attention_work, kv_tokens_read
 from .request import Request, RequestStatus
 
 VictimSelector = Callable[[list[Request]], "Request | None"]
@@ -364,8 +364,8 @@ class BatchBuilder:
             request.sample_step = self.step_id
         self.num_tokens += num_tokens
         if self.cost_model is not None:
-            self.attn_work += attention_work(computed, num_tokens)
-            self.kv_tokens += context_len
+            self.attn_work += attention_work(computed, num_tokens, self.limits.sliding_layers)
+            self.kv_tokens += kv_tokens_read(computed, num_tokens, self.limits.sliding_layers)
 
     def _may_exceed_budget(self) -> bool:
         # Whole-prompt policies may add one prompt over the budget (with decodes); chunking
@@ -400,9 +400,10 @@ class BatchBuilder:
         """
         assert self.cost_model is not None
         model, base, lo, hi = self.cost_model, self.work(), 0, limit
+        sliding = self.limits.sliding_layers
 
         def fits(q: int) -> bool:
-            return model.predict(base.plus(num_computed, q)) <= budget
+            return model.predict(base.plus(num_computed, q, sliding)) <= budget
 
         while lo < hi:
             mid = (lo + hi + 1) // 2

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .cost_model import SlidingLayers
+
 POLICIES = ("sarathi", "vllm", "orca", "faster_transformer")
 
 
@@ -86,7 +88,8 @@ class SchedulerConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SchedulerLimits:
     """What the engine works out at start-up and the scheduler obeys (not user configuration):
-    the context cap resolved against the model, and token feedback from the parallel layout."""
+    the context cap resolved against the model, token feedback from the parallel layout, and the
+    model's sliding-window layers for the cost model."""
 
     max_model_len: int
     """Longest context (prompt + outputs): ``EngineConfig.max_model_len`` or the model's. Longer
@@ -100,6 +103,11 @@ class SchedulerLimits:
     it; the last stage hands the token to the first on the device. None: a request waits for
     its token (``Scheduler.update``) before its next decode."""
 
+    sliding_layers: SlidingLayers | None = None
+    """The model's sliding-window layers (``SlidingLayers.of`` its layers' windows): the cost
+    model's attention terms charge them the keys within the window only, so a time budget holds
+    more of a long context's work. None: every layer attends over the whole context."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.max_model_len, int) or isinstance(self.max_model_len, bool) or self.max_model_len < 1:
             raise ValueError(f"max_model_len must be a positive int, got {self.max_model_len!r}")
@@ -107,3 +115,5 @@ class SchedulerLimits:
             not isinstance(self.feedback_distance, int) or self.feedback_distance < 1
         ):
             raise ValueError(f"feedback_distance must be a positive int or None, got {self.feedback_distance!r}")
+        if self.sliding_layers is not None and not isinstance(self.sliding_layers, SlidingLayers):
+            raise ValueError(f"sliding_layers must be a SlidingLayers or None, got {self.sliding_layers!r}")

@@ -13,6 +13,12 @@ rather than arithmetic, and get terms of their own:
 - attention reads each sequence's whole KV once, ``per_kv`` per context token: for a decode
   (q = 1) this dominates, and it costs tens of times what a prompt token's attention
   arithmetic does per unit of q * ctx, so one coefficient cannot fit both.
+
+The two attention terms are means over the model's layers. A sliding-window layer
+(``SlidingLayers``: Gemma 2/3's local layers, Phi-3's) lets a query at position p read its last
+``window`` keys, min(p + 1, window), where a full layer reads p + 1: its share of the layers is
+charged q * ctx less the keys the window hides, and reads the KV from the first query's window
+on. Without sliding layers both terms are exactly sum q_i * ctx_i and sum ctx_i.
 """
 
 from __future__ import annotations
@@ -23,34 +29,99 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 
 
-def attention_work(num_computed_tokens: int, num_scheduled_tokens: int) -> int:
-    """q * ctx for one request's chunk (the attention term's contribution)."""
-    return num_scheduled_tokens * (num_computed_tokens + num_scheduled_tokens)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SlidingLayers:
+    """The model's sliding-window layers, as the work terms need them: plain values the engine
+    takes from the model config (``SlidingLayers.of``), so the scheduler imports no model code."""
+
+    window: int
+    """Keys a sliding layer's query reads, itself included: min(p + 1, window) at position p."""
+    layer_share: float
+    """Fraction of the decoder layers that slide, in (0, 1] (Gemma 2: 1/2; Phi-3: 1)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or isinstance(self.window, bool) or self.window < 1:
+            raise ValueError(f"window must be a positive int, got {self.window!r}")
+        if not (isinstance(self.layer_share, (int, float)) and 0 < self.layer_share <= 1):
+            raise ValueError(f"layer_share must be in (0, 1], got {self.layer_share!r}")
+
+    @classmethod
+    def of(cls, layer_windows: Sequence[int | None]) -> SlidingLayers | None:
+        """From each decoder layer's window (None: full attention); None when no layer slides."""
+        windows = {w for w in layer_windows if w is not None}
+        if not windows:
+            return None
+        if len(windows) > 1:
+            raise ValueError(f"sliding layers must share one window, got {sorted(windows)}")
+        num_sliding = sum(w is not None for w in layer_windows)
+        return cls(window=windows.pop(), layer_share=num_sliding / len(layer_windows))
+
+
+def keys_read(num_computed_tokens: int, num_scheduled_tokens: int, window: int | None = None) -> int:
+    """Keys the scheduled queries attend to, summed over them: the query at position p
+    (c <= p < c + q) reads p + 1 keys, or min(p + 1, window) under a sliding window. Closed form."""
+    c, q = num_computed_tokens, num_scheduled_tokens
+    total = q * c + q * (q + 1) // 2  # sum of p + 1 over [c, c + q)
+    if window is None or c + q <= window:
+        return total
+    # Queries at p >= window read window keys, p + 1 - window fewer than a full layer's: the
+    # excesses run from first (the earliest such query) to c + q - window (the last).
+    first = max(c, window) + 1 - window
+    last = c + q - window
+    return total - (last - first + 1) * (first + last) // 2
+
+
+def attention_work(num_computed_tokens: int, num_scheduled_tokens: int,
+                   sliding: SlidingLayers | None = None) -> float:
+    """q * ctx for one request's chunk (the attention term's contribution), a mean over layers.
+
+    q * ctx charges every query for the context up to the chunk's end (the unit ``per_attn`` is
+    fitted in); the sliding layers' share is charged less the keys the window hides from each
+    query, exactly as ``keys_read`` counts them. Without ``sliding``: q * ctx, an int.
+    """
+    c, q = num_computed_tokens, num_scheduled_tokens
+    work = q * (c + q)
+    if sliding is None:
+        return work
+    return work - sliding.layer_share * (keys_read(c, q) - keys_read(c, q, sliding.window))
+
+
+def kv_tokens_read(num_computed_tokens: int, num_scheduled_tokens: int,
+                   sliding: SlidingLayers | None = None) -> float:
+    """Context tokens whose KV one request's chunk reads, a mean over layers: ctx in a full
+    layer; a sliding layer's queries see keys from c + 1 - window on (the first query's window),
+    so the max(0, c + 1 - window) before it go unread (a decode: max(0, ctx - window))."""
+    c, q = num_computed_tokens, num_scheduled_tokens
+    if sliding is None:
+        return c + q
+    return c + q - sliding.layer_share * max(0, c + 1 - sliding.window)
 
 
 @dataclass(frozen=True, slots=True)
 class Work:
-    """The totals of a micro-batch that the cost model reads."""
+    """The totals of a micro-batch that the cost model reads (attention terms: means over the
+    model's layers; whole numbers without sliding layers)."""
 
     num_tokens: int = 0
-    attn_work: int = 0
-    """sum_i q_i * ctx_i."""
-    kv_tokens: int = 0
-    """sum_i ctx_i: the context tokens whose KV the step reads."""
+    attn_work: float = 0
+    """sum_i q_i * ctx_i (``attention_work``)."""
+    kv_tokens: float = 0
+    """sum_i ctx_i: the context tokens whose KV the step reads (``kv_tokens_read``)."""
     num_seqs: int = 0
 
-    def plus(self, num_computed_tokens: int, num_scheduled_tokens: int) -> Work:
+    def plus(self, num_computed_tokens: int, num_scheduled_tokens: int,
+             sliding: SlidingLayers | None = None) -> Work:
         """These totals with one more sequence's chunk."""
-        q = num_scheduled_tokens
-        return Work(self.num_tokens + q, self.attn_work + attention_work(num_computed_tokens, q),
-                    self.kv_tokens + num_computed_tokens + q, self.num_seqs + 1)
+        c, q = num_computed_tokens, num_scheduled_tokens
+        return Work(self.num_tokens + q, self.attn_work + attention_work(c, q, sliding),
+                    self.kv_tokens + kv_tokens_read(c, q, sliding), self.num_seqs + 1)
 
     @classmethod
-    def of(cls, seqs: Iterable[tuple[int, int]]) -> Work:
+    def of(cls, seqs: Iterable[tuple[int, int]], sliding: SlidingLayers | None = None) -> Work:
         """Totals of (computed before the step, scheduled) per sequence."""
         work = cls()
         for computed, q in seqs:
-            work = work.plus(computed, q)
+            work = work.plus(computed, q, sliding)
         return work
 
 

@@ -7,8 +7,10 @@ Import from a test file with ``tests/`` on ``sys.path`` (see the top of
 
 from __future__ import annotations
 
+import inspect
 import json
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,6 +25,12 @@ TINY_KINDS = ("llama", "llama_tied", "llama3_rope", "llama_linear_rope", "llama_
 # Gemma's (and the tiny Phi-3's) sliding layers see this many keys: fewer than the tests'
 # prompts, so windows matter.
 TINY_SLIDING_WINDOW = 12
+# Kinds whose RoPE frequencies follow the sequence's length when a token is computed (dynamic
+# NTK, LongRoPE past its original context): a chunk turns as transformers turns it fed alone, so
+# their reference is ``hf_logits_by_chunks``, not one pass over the whole sequence. Their
+# original context is TINY_ORIGINAL_CONTEXT, shorter than the tests' prompts.
+LENGTH_SCALED_KINDS = ("llama_dynamic_rope", "phi4_mini_long")
+TINY_ORIGINAL_CONTEXT = 32
 
 _TINY_SHAPE = dict(
     vocab_size=256,
@@ -72,6 +80,9 @@ def tiny_hf_config(kind: str, **overrides):
     if kind == "llama_yarn_rope":  # original context 32 < prompt; cos/sin scaled by 0.1 ln 4 + 1
         return LlamaConfig(**shape, rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                   "original_max_position_embeddings": 32})
+    if kind == "llama_dynamic_rope":  # the base grows past 32 tokens; the context: 4 × 32
+        return LlamaConfig(**{**shape, "max_position_embeddings": TINY_ORIGINAL_CONTEXT, **overrides},
+                           rope_scaling={"rope_type": "dynamic", "factor": 4.0})
     if kind == "qwen2":  # q/k/v biases, tied like Qwen2-0.5B
         return Qwen2Config(**shape, tie_word_embeddings=True)
     if kind == "qwen3":  # q/k norms per head; heads × head_dim ≠ hidden (as Qwen3-0.6B); untied
@@ -105,6 +116,13 @@ def tiny_hf_config(kind: str, **overrides):
         window = TINY_SLIDING_WINDOW if kind == "phi3" else None
         return Phi3Config(**shape, original_max_position_embeddings=128, rope_parameters=rope, pad_token_id=0,
                           sliding_window=window, tie_word_embeddings=kind == "phi4_mini")
+    if kind == "phi4_mini_long":  # Phi-4-mini whose prompts outgrow the short factors' 32 tokens
+        half = int(shape["head_dim"] * 0.75) // 2
+        rope = {"rope_type": "longrope", "short_factor": [1.0 + 0.5 * i for i in range(half)],
+                "long_factor": [2.0 + 1.5 * i for i in range(half)], "partial_rotary_factor": 0.75,
+                "rope_theta": 10000.0}
+        return Phi3Config(**shape, original_max_position_embeddings=TINY_ORIGINAL_CONTEXT, rope_parameters=rope,
+                          pad_token_id=0, sliding_window=None, tie_word_embeddings=True)
     raise ValueError(f"unknown tiny model kind {kind!r}")
 
 
@@ -153,6 +171,56 @@ def write_tiny_model(folder: Path, **overrides) -> str:
     return str(path)
 
 
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                   "gate_up_proj")
+
+
+def quantize_fp8(w: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 weight, scale) the way FP8 checkpoints are made: the largest magnitude of the
+    tensor ("tensor") or of each output row ("channel") maps to e4m3's largest value."""
+    amax = w.abs().amax() if strategy == "tensor" else w.abs().amax(dim=1, keepdim=True)
+    scale = (amax / torch.finfo(torch.float8_e4m3fn).max).float()
+    return (w / scale).to(torch.float8_e4m3fn), scale
+
+
+def write_fp8_checkpoint(src: Path, dst: Path, ref: Path, *, method: str, strategy: str) -> None:
+    """``dst``: ``src``'s checkpoint with every decoder projection in FP8 beside its
+    ``weight_scale`` (and a static ``input_scale``, which pipeserve does not use), its
+    config.json saying so; ``ref``: the same model with those weights dequantized, for
+    transformers."""
+    from safetensors.torch import save_file
+
+    from pipeserve.runtime.model.weights import iter_safetensors
+
+    quantized, dequantized = {}, {}
+    for name, w in iter_safetensors(src):
+        if name.endswith(".weight") and name.split(".")[-2] in FP8_PROJECTIONS:
+            q, scale = quantize_fp8(w, strategy)
+            one = () if method == "fp8" else (1,)  # AutoFP8 saves scalars, compressed-tensors [1]
+            scale_shape = one if strategy == "tensor" else (w.shape[0], 1)
+            quantized |= {name: q, name + "_scale": scale.reshape(scale_shape),
+                          name.removesuffix("weight") + "input_scale": torch.tensor(0.05).reshape(one)}
+            dequantized[name] = q.float() * scale
+        else:
+            quantized[name] = dequantized[name] = w
+    config = json.loads((src / "config.json").read_text())
+    if method == "fp8":
+        config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
+    else:
+        group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
+                                                    "symmetric": True, "dynamic": False},
+                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                         "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
+    for folder, tensors in ((dst, quantized), (ref, dequantized)):
+        folder.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+        shutil.copy(src / "generation_config.json", folder)
+    (dst / "config.json").write_text(json.dumps(config))
+    del config["quantization_config"]
+    (ref / "config.json").write_text(json.dumps(config))
+
+
 # Prompt shapes of a mixed batch: (tokens computed this step, context length after it).
 MIXED_BATCH = [
     (1, 37),  # decode
@@ -177,6 +245,23 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     """[len(token_ids), V] float32 logits of one sequence."""
     device = next(hf_model.parameters()).device
     return hf_model(torch.tensor([token_ids], device=device)).logits[0].float()
+
+
+@torch.no_grad()
+def hf_logits_by_chunks(folder: Path, chunks: list[list[int]], *, device="cpu") -> torch.Tensor:
+    """[total tokens, V] float32 logits of one sequence fed to transformers chunk by chunk
+    through its KV cache, each chunk one forward: with dynamic NTK or LongRoPE each turns by the
+    frequencies of its own last position + 1. The model is loaded afresh, since dynamic NTK keeps
+    a grown base across forwards (a model that saw a longer sequence would keep its base)."""
+    from transformers import DynamicCache
+
+    hf_model = load_hf_reference(folder, device=device)
+    # transformers 5 renames past_key_values to cache (the old name is deprecated)
+    name = "cache" if "cache" in inspect.signature(hf_model.forward).parameters else "past_key_values"
+    cache = {name: DynamicCache(config=hf_model.config)}
+    return torch.cat([
+        hf_model(torch.tensor([chunk], device=device), use_cache=True, **cache).logits[0].float() for chunk in chunks
+    ])
 
 
 def make_metadata(

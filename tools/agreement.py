@@ -11,6 +11,7 @@ Runs the same 64 chat prompts greedily through one process and through each tp/p
 
     python -m tools.agreement --model model.gguf --layouts tp=2,pp=2 --out agree.json
     python -m tools.agreement --model model.gguf --layouts tp=2,pp=2 --deterministic
+    python -m tools.agreement --layouts fp8                      # FP8 weights against bf16, one GPU
     python -m tools.agreement --shape llama3-70b --num-layers 80 \
         --base pp=2 --layouts pp=4,tp=2+pp=2 --deterministic     # random weights, same in every layout
 
@@ -73,7 +74,7 @@ def run_layout(model: str, layout: str, args) -> dict:
     llm = LLM(model, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
               kernel_backend=args.kernel_backend, load_format="dummy" if dummy else "auto",
               deterministic=args.deterministic, reduction_splits=_reduction_splits(args),
-              tensor_parallel_size=par["tp"], pipeline_parallel_size=par["pp"])
+              tensor_parallel_size=par["tp"], pipeline_parallel_size=par["pp"], quantization=par["quantization"])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, logprobs=args.logprobs, ignore_eos=dummy)
     if dummy:  # no chat template in a benchmark shape's folder
         outs = llm.generate(prompts(args.num_prompts, args.context_words), params)
@@ -101,14 +102,17 @@ def _reusable(path: str, args) -> bool:
         return json.load(f).get("settings") == _settings(args)
 
 
-def _parse_layout(layout: str) -> dict[str, int]:
-    """"tp=2+pp=2" -> {"tp": 2, "pp": 2}; "1" -> one process."""
-    par = {"tp": 1, "pp": 1}
+def _parse_layout(layout: str) -> dict:
+    """"tp=2+pp=2" -> {"tp": 2, "pp": 2}; "1" -> one process; "+fp8" (or "fp8" alone): FP8
+    weights quantized at load."""
+    par = {"tp": 1, "pp": 1, "quantization": None}
     for kv in layout.split("+"):
-        if kv != "1":
+        if kv == "fp8":
+            par["quantization"] = "fp8"
+        elif kv != "1":
             key, value = kv.split("=")
             if key not in par:
-                raise ValueError(f"bad layout {layout!r}: use tp=N, pp=N, tp=N+pp=M or 1")
+                raise ValueError(f"bad layout {layout!r}: use tp=N, pp=N, tp=N+pp=M, 1, and +fp8")
             par[key] = int(value)
     return par
 
@@ -128,12 +132,13 @@ def _layouts(args) -> list[str]:
 
 def compare(base: dict, other: dict) -> dict:
     """Agreement of `other` with `base` (see the module docstring)."""
-    same, identical, margins, prefix_dev, bounds_only, length_only = 0, 0, [], [], 0, 0
+    same, identical, margins, prefix_dev, bounds_only, length_only, prefixes = 0, 0, [], [], 0, 0, []
     for bt, ot, blp, olp in zip(base["tokens"], other["tokens"], base["logprobs"], other["logprobs"]):
         if bt == ot:
             same += 1
             identical += blp == olp  # every top-k log-probability equal, bit for bit
         n = next((i for i, (a, b) in enumerate(zip(bt, ot)) if a != b), min(len(bt), len(ot)))
+        prefixes.append(n)
         dev = [abs(blp[i][str(bt[i])] - olp[i][str(bt[i])]) for i in range(n)]
         prefix_dev.append(max(dev, default=0.0))
         if bt != ot and n < min(len(bt), len(ot)):
@@ -148,6 +153,7 @@ def compare(base: dict, other: dict) -> dict:
     return {
         "num_prompts": num,
         "same_greedy_fraction": same / num,
+        "mean_common_prefix": sum(prefixes) / num,  # tokens before the first difference
         "identical_fraction": identical / num,
         "divergence_margins": sorted(margins),
         "margins_that_are_lower_bounds": bounds_only,

@@ -147,12 +147,13 @@ def main(argv=None) -> None:
     p.add_argument("--kernel-backend", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quantization", default=None, help="fp8: the projections in FP8 (the floor counts their bytes)")
     p.add_argument("--profile", action="store_true", help="then a kernel-time breakdown of each step")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     device, dtype = torch.device("cuda"), torch.bfloat16
     loaded = load_dummy_model(shape=args.shape, num_layers=args.num_layers, dtype=dtype, device=device,
-                              tokenizer=args.tokenizer)
+                              tokenizer=args.tokenizer, quantization=args.quantization)
     loaded.model.set_ops(kernel_ops(args.kernel_backend, device))
     cfg = loaded.config
     shape = M.ModelShape.of(cfg, dtype.itemsize)
@@ -182,7 +183,7 @@ def main(argv=None) -> None:
         rows[name] = row
     card = torch.cuda.get_device_name()
     print(f"card {card}; copy bandwidth {bandwidth / 1e9:,.0f} GB/s; peak {peak_tflops} TFLOP/s; "
-          f"kernels {loaded.model.ops.name}; graphs {graphs is not None}")
+          f"kernels {loaded.model.ops.name}; graphs {graphs is not None}; weights {args.quantization or 'bf16'}")
     print("| step | ms | TFLOP/s | MFU | floor ms | ÷ floor |\n|---|---|---|---|---|---|")
     for name, r in rows.items():
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"
@@ -193,7 +194,7 @@ def main(argv=None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"card": card, "copy_bandwidth_Bps": bandwidth, "peak_tflops": peak_tflops,
-                       "kernels": loaded.model.ops.name, "rows": rows}, f, indent=1)
+                       "kernels": loaded.model.ops.name, "quantization": args.quantization, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -111,11 +111,12 @@ def word_level_tokenizer():
     return tokenizer
 
 
-def load_dummy_model(*, shape: str, num_layers: int, dtype, device, tokenizer: str | None = None):
+def load_dummy_model(*, shape: str, num_layers: int, dtype, device, tokenizer: str | None = None,
+                     quantization: str | None = None):
     """A ``shape`` model of ``num_layers`` layers with random weights (``load_model``'s result),
     from a config-only folder that is gone again once loaded."""
     from pipeserve.runtime.model.loader import load_model
 
     with tempfile.TemporaryDirectory(prefix="dummy-model-") as folder:
         write_model_folder(folder, shape=shape, num_layers=num_layers, tokenizer=tokenizer)
-        return load_model(folder, dtype=dtype, device=device, load_format="dummy")
+        return load_model(folder, dtype=dtype, device=device, load_format="dummy", quantization=quantization)

@@ -14,6 +14,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from pipeserve.scheduler.cost_model import SlidingLayers, Work
+
 # ---- statistics --------------------------------------------------------------------------------
 
 
@@ -454,13 +456,19 @@ class ModelShape:
     num_experts: int = 0
     """Experts per layer of a mixture-of-experts model; 0: a dense MLP."""
     num_experts_per_tok: int = 0
+    layer_weight_bytes: int | None = None
+    """Bytes per weight of the decoder layers' projections: 1 with FP8 weights; None: dtype_bytes."""
+    sliding_layers: SlidingLayers | None = None
+    """Layers that attend over a sliding window (Gemma, Phi-3); None: every layer full."""
 
     @classmethod
     def of(cls, config, dtype_bytes: int) -> ModelShape:
+        fp8 = getattr(config, "quantization", None) == "fp8"
         return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers,
                    config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                    config.vocab_size, dtype_bytes, getattr(config, "num_local_experts", 0),
-                   getattr(config, "num_experts_per_tok", 0))
+                   getattr(config, "num_experts_per_tok", 0), 1 if fp8 else None,
+                   SlidingLayers.of(getattr(config, "layer_windows", ())))
 
     @property
     def layer_params(self) -> int:
@@ -479,20 +487,24 @@ class ModelShape:
             mlp = h * self.num_experts + num_experts_counted * mlp  # router + experts
         return h * q + 2 * h * kv + q * h + mlp
 
-    def flops(self, num_tokens: int, attn_work: int, num_sampled: int) -> float:
+    def flops(self, num_tokens: int, attn_work: float, num_sampled: int) -> float:
         """Matmul FLOPs of a micro-batch: 2 per weight per token, QK^T and PV over each
-        request's context (attn_work = sum of q_i * ctx_i), the LM head for sampled rows."""
+        request's context (attn_work = sum of q_i * ctx_i, a mean over the layers: ``Work.of``
+        with ``sliding_layers``), the LM head for sampled rows."""
         linear = 2.0 * self.num_layers * self.layer_params * num_tokens
         attention = 4.0 * self.num_layers * self.num_heads * self.head_dim * attn_work
         return linear + attention + 2.0 * self.hidden_size * self.vocab_size * num_sampled
 
-    def bytes_moved(self, context_tokens: int) -> float:
-        """Bytes a decode micro-batch must read: every weight once, plus the KV of its contexts.
+    def bytes_moved(self, context_tokens: float) -> float:
+        """Bytes a decode micro-batch must read: every weight once (norms aside), plus the KV of
+        its contexts (``context_tokens``: a mean over the layers, ``Work.kv_tokens``; a sliding
+        layer reads its window only).
         An MoE counts every expert: a batch of B tokens reads up to B·k of them, so this is
         exact once B·k covers the experts and an upper bound before."""
-        weights = self.num_layers * self.layer_weights + self.hidden_size * self.vocab_size
+        layers = self.num_layers * self.layer_weights * (self.layer_weight_bytes or self.dtype_bytes)
+        head = self.hidden_size * self.vocab_size
         kv = 2 * self.num_layers * self.num_kv_heads * self.head_dim * context_tokens
-        return float(weights + kv) * self.dtype_bytes
+        return float(layers + (head + kv) * self.dtype_bytes)
 
 
 # Dense bf16 tensor-core peak (TFLOP/s) and memory bandwidth (GB/s), SXM parts, from the
@@ -522,13 +534,12 @@ def efficiency(records: Sequence, busy_by_step: Mapping[int, float], shape: Mode
         t = busy_by_step.get(r.step_id)
         if not t:
             continue
-        n = sum(q for _, _, q, _ in r.seqs)
-        work = sum(q * (start + q) for _, start, q, _ in r.seqs)
+        work = Work.of(((start, q) for _, start, q, _ in r.seqs), shape.sliding_layers)
         if _prefill_tokens(r, prompt_lens) > 0:
-            pre_flops += shape.flops(n, work, sum(1 for *_, s in r.seqs if s))
+            pre_flops += shape.flops(work.num_tokens, work.attn_work, sum(1 for *_, s in r.seqs if s))
             pre_time += t
         else:
-            dec_bytes += shape.bytes_moved(sum(start + q for _, start, q, _ in r.seqs))
+            dec_bytes += shape.bytes_moved(work.kv_tokens)
             dec_time += t
     tflops = pre_flops / pre_time / 1e12 if pre_time else None
     gbps = dec_bytes / dec_time / 1e9 if dec_time else None

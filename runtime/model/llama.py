@@ -27,7 +27,9 @@ the MLP's intermediate features are split over the TP ranks of a stage (column-p
 row-parallel out, one all-reduce each), the embedding and LM head over the vocabulary; an
 MoE splits every expert's intermediate features the way the MLP splits its own. The
 residual stream [T, H] is whole on every TP rank. With one TP rank the layers are plain
-``nn.Linear`` / ``nn.Embedding``.
+``nn.Linear`` / ``nn.Embedding``. With ``ModelConfig.quantization == "fp8"`` the attention and
+MLP projections hold FP8 weights with a scale per row (read from an FP8 checkpoint, or
+quantized as a float one loads) and multiply through ``ops.fp8_linear``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.kernels.reference import gelu_tanh_mul_reference
 from pipeserve.parallel.context import ParallelContext, tp_all_reduce
 from pipeserve.parallel.tp_layers import (
+    FP8_DTYPE,
     InvariantNumerics,
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -55,12 +58,18 @@ from pipeserve.parallel.tp_layers import (
     check_shape,
     checkpoint_shape,
     default_weight_loader,
+    is_fp8,
     read_cols,
     read_rows,
     shard_heads,
     split_evenly,
 )
 from pipeserve.runtime.model.model_config import ModelConfig
+
+# An FP8 checkpoint's tensors that serve what pipeserve does another way: static activation
+# scales (activations are quantized per token) and KV-cache scales (the cache keeps the model's
+# dtype).
+_FP8_UNUSED = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 
 
 class RMSNorm(nn.Module):
@@ -113,19 +122,20 @@ def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [rotary_dim / 2] in float32, the factor cos and sin are scaled by),
     with Llama-3, linear, YaRN or LongRoPE scaling, computed exactly as transformers'
     ``_compute_llama3_parameters`` / ``_compute_linear_scaling_rope_parameters`` /
-    ``_compute_yarn_parameters`` / ``_compute_longrope_parameters`` (its short factors: see
-    ``model_config._longrope_cap``)."""
+    ``_compute_yarn_parameters`` / ``_compute_longrope_parameters``. For the length-scaled
+    types, those of a sequence within its original context: LongRoPE's short factors, and
+    dynamic NTK's unscaled frequencies (past it: ``LengthScaledRotaryEmbedding``)."""
     d = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     scaling = config.rope_scaling
-    if scaling is None:
+    if scaling is None or scaling["rope_type"] == "dynamic":
         return inv_freq, 1.0
     if scaling["rope_type"] == "linear":
         return inv_freq / scaling["factor"], 1.0
     if scaling["rope_type"] == "yarn":
         return _yarn(config, scaling)
     if scaling["rope_type"] == "longrope":
-        return _longrope(config, scaling)
+        return _longrope(config, scaling, "short_factor")
     assert scaling["rope_type"] == "llama3", scaling
     factor = scaling["factor"]
     low_freq_factor, high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
@@ -177,49 +187,124 @@ def _yarn(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def _longrope(config: ModelConfig, scaling: dict) -> tuple[torch.Tensor, float]:
-    """LongRoPE's short factors divide each frequency; cos and sin grow by
-    sqrt(1 + ln(factor) / ln(original context)) unless an attention factor is given."""
+def _longrope(config: ModelConfig, scaling: dict, factors: str) -> tuple[torch.Tensor, float]:
+    """LongRoPE's ``factors`` ("short_factor" or "long_factor") divide each frequency; cos and
+    sin grow by sqrt(1 + ln(factor) / ln(original context)) unless an attention factor is given."""
     d, original, factor = config.rotary_dim, scaling["original_max_position_embeddings"], scaling["factor"]
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    ext_factors = torch.tensor(scaling["short_factor"], dtype=torch.float32)  # [d / 2]
+    ext_factors = torch.tensor(scaling[factors], dtype=torch.float32)  # [d / 2]
     inv_freq_shape = torch.arange(0, d, 2, dtype=torch.int64).float() / d
     return 1.0 / (ext_factors * config.rope_theta**inv_freq_shape), float(attention_factor)
 
 
+def dynamic_ntk_inv_freq(config: ModelConfig, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Dynamic NTK's inverse frequencies [N, rotary_dim / 2] in float32 for sequences of
+    ``seq_lens`` [N] tokens (any integer dtype, on any device): the base becomes
+    theta * (factor * L / M - (factor - 1)) ** (d / (d - 2)) for L = max(seq_len, M), M the
+    original context, in float32 as transformers' ``_compute_dynamic_ntk_parameters`` computes
+    it in a forward (its seq_len a tensor)."""
+    scaling, d = config.rope_scaling, config.rotary_dim
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    length = seq_lens.long().clamp(min=original).float()  # [N]
+    base = config.rope_theta * ((factor * length / original) - (factor - 1)) ** (d / (d - 2))  # [N]
+    exponents = torch.arange(0, d, 2, dtype=torch.int64, device=seq_lens.device).float() / d  # [d/2]
+    return 1.0 / (base[:, None] ** exponents[None, :])  # [N, d/2]
+
+
+def _cos_sin(freqs: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, d] of rotation angles freqs [N, d/2] (NeoX layout: each angle twice), times
+    the attention factor ``scale``."""
+    emb = torch.cat((freqs, freqs), dim=-1)  # [N, d]
+    return emb.cos() * scale, emb.sin() * scale
+
+
+def _position_tables(config: ModelConfig, num_positions: int, device: torch.device | None) -> dict[str, torch.Tensor]:
+    """{"cos", "sin"}: [num_positions, d] float32 tables of ``rope_parameters``."""
+    inv_freq, scale = rope_parameters(config)
+    positions = torch.arange(num_positions, device=device).float()
+    cos, sin = _cos_sin(positions[:, None] * inv_freq.to(device)[None, :], scale)
+    return {"cos": cos, "sin": sin}
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables [max_pos, rotary_dim] for every position up to max_position_embeddings,
-    kept in float32."""
+    kept in float32: a token turns by its position alone."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        cos, sin = self._tables()
-        self.register_buffer("cos", cos, persistent=False)  # [max_pos, d] float32
-        self.register_buffer("sin", sin, persistent=False)  # [max_pos, d] float32
+        for name, table in self._tables().items():
+            self.register_buffer(name, table, persistent=False)  # float32
 
-    def _tables(self, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq, scale = rope_parameters(self.config)
-        inv_freq = inv_freq.to(device)  # [d/2]
-        positions = torch.arange(self.config.max_position_embeddings, device=device).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, d]
-        return emb.cos() * scale, emb.sin() * scale
+    def _tables(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        return _position_tables(self.config, self.config.max_position_embeddings, device)
 
     def _apply(self, fn, recurse=True):
         # model.to(bfloat16) would round the tables; rebuild them in float32 instead.
         super()._apply(fn, recurse)
         if self.cos.dtype != torch.float32 and self.cos.device.type != "meta":
-            self.cos, self.sin = self._tables(self.cos.device)
+            for name, table in self._tables(self.cos.device).items():
+                setattr(self, name, table)
         return self
 
     def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, d] for positions [T], cast to the activations' dtype (as HF does)."""
+        """cos, sin [T, d] for positions [T], cast to the activations' dtype (as HF does);
+        ``meta`` is not read."""
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+class LengthScaledRotaryEmbedding(RotaryEmbedding):
+    """Dynamic NTK and LongRoPE (``ModelConfig.length_scaled_rope``): a token turns by
+    frequencies that depend on its sequence's length when it is computed. transformers sets
+    them per forward from the forward's largest position + 1 (``dynamic_rope_update``), and
+    keys already in its cache keep the rotation they got; here the length is per sequence per
+    step, the last position + 1 of the sequence's tokens in the step (its ``meta.seq_lens``),
+    so a whole prefill, a decode step or a chunk turns as transformers turns that sequence's
+    tokens fed alone.
+
+    Within the original context (length <= original_max_position_embeddings) the tokens read
+    a table of that many positions (plain RoPE, LongRoPE's short factors). Past it, LongRoPE
+    turns by its long factors and dynamic NTK by its base for that length, computed per token
+    (cos and sin of T × d angles, shared by every layer). Device tensors in fixed shapes only,
+    so a CUDA graph captures it."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.original = config.rope_scaling["original_max_position_embeddings"]
+        self.scale = rope_parameters(config)[1]  # LongRoPE's attention factor, either side
+
+    def _tables(self, device: torch.device | None = None) -> dict[str, torch.Tensor]:
+        scaling = self.config.rope_scaling
+        tables = _position_tables(self.config, scaling["original_max_position_embeddings"], device)
+        if scaling["rope_type"] == "longrope":
+            tables["long_inv_freq"] = _longrope(self.config, scaling, "long_factor")[0].to(device)  # [d/2]
+        return tables
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, d] for positions [T] of the sequences ``meta`` describes (its
+        query_start_loc ends at T), cast to the activations' dtype."""
+        tokens = torch.arange(positions.shape[0], dtype=meta.query_start_loc.dtype, device=positions.device)
+        seq_of_token = torch.searchsorted(meta.query_start_loc[1:], tokens, right=True)  # [T]
+        # (A padded graph step's tokens past its last sequence, and a capture's placeholder
+        # metadata, would index past the sequences: they take the last one's length.)
+        seq_of_token.clamp_(max=meta.seq_lens.shape[0] - 1)
+        seq_lens = meta.seq_lens[seq_of_token]  # [T]: the token's sequence's length this step
+        if self.config.rope_scaling["rope_type"] == "longrope":
+            inv_freq = self.long_inv_freq[None, :]  # [1, d/2]
+        else:
+            inv_freq = dynamic_ntk_inv_freq(self.config, seq_lens)  # [T, d/2]
+        cos, sin = _cos_sin(positions.float()[:, None] * inv_freq, self.scale)  # [T, d] each
+        past = (seq_lens > self.original)[:, None]  # [T, 1]
+        within = positions.clamp(max=self.original - 1)  # rows of the table (where not past)
+        cos = torch.where(past, cos, self.cos[within])
+        sin = torch.where(past, sin, self.sin[within])
+        return cos.to(dtype), sin.to(dtype)
 
 
 # --- decoder ------------------------------------------------------------------------------
@@ -258,6 +343,7 @@ class Attention(nn.Module):
             heads=heads,
             bias=config.attention_bias,
             parallel=parallel,
+            quantization=config.quantization,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * d,
@@ -266,6 +352,7 @@ class Attention(nn.Module):
             parallel=parallel,
             cols=(heads.q_start * d, heads.q_stop * d),
             unit=d,  # deterministic segments hold whole heads
+            quantization=config.quantization,
         )
         # HF projection -> (our fused projection, its part: the loader places the rows).
         self.hf_shards = {f"{p}_proj": ("qkv_proj", p) for p in "qkv"}
@@ -321,9 +408,11 @@ class MLP(nn.Module):
         # Both split evenly over TP ranks, so gate and up keep equal local widths and
         # down_proj's columns (the same even split) match them.
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [inter, inter], bias=False, parallel=parallel
+            config.hidden_size, [inter, inter], bias=False, parallel=parallel, quantization=config.quantization
         )
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=False, parallel=parallel)
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=False, parallel=parallel, quantization=config.quantization
+        )
         self.hf_shards = {  # HF projection -> (our fused projection, its part)
             "gate_proj": ("gate_up_proj", 0),
             "up_proj": ("gate_up_proj", 1),
@@ -504,7 +593,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, parallel=parallel
             )
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = (LengthScaledRotaryEmbedding if config.length_scaled_rope else RotaryEmbedding)(config)
         self.local_rotary_emb = None
         if config.local_rope_theta is not None:
             local = dataclasses.replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
@@ -548,8 +637,8 @@ class LlamaForCausalLM(nn.Module):
             x = hidden_states  # [T, H]
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} kv caches for {len(self.layers)} layers")
-        rope = self.rotary_emb(positions, x.dtype)  # cos, sin: [T, d] each
-        local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions, x.dtype)
+        rope = self.rotary_emb(positions, x.dtype, meta)  # cos, sin: [T, d] each
+        local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions, x.dtype, meta)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = local_rope if layer.local_rope else rope
@@ -576,6 +665,8 @@ class LlamaForCausalLM(nn.Module):
                 "deterministic mode does not cover mixture-of-experts models yet: the grouped "
                 "expert kernel's tiles follow the batch's size"
             )
+        if self.config.quantization is not None:
+            self._check_fp8_ops(ops)
         self.ops = ops
         numerics = None
         if ops.matmul is not None:
@@ -583,6 +674,16 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(module, "set_numerics"):
                 module.set_numerics(numerics)
+            if getattr(module, "weight_scale", None) is not None:
+                module.fp8_linear = ops.fp8_linear
+
+    def _check_fp8_ops(self, ops: KernelOps) -> None:
+        if ops.matmul is not None:
+            raise ValueError("deterministic mode does not cover FP8 weights: their GEMM's tiles follow the batch's size")
+        device = next(self.parameters()).device
+        if ops.name.startswith("triton") and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            name = torch.cuda.get_device_name(device)
+            raise ValueError(f"FP8 weights need FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper); {name} has none")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] final-normed hidden states -> [N, V] float32 logits over the full vocabulary,
@@ -610,6 +711,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             for hf_name, tensor in self._split_fused(weights):
                 if hf_name.endswith("rotary_emb.inv_freq"):
+                    continue
+                if self.config.fp8_checkpoint and hf_name.endswith(_FP8_UNUSED):
                     continue
                 # A real lm_head.weight wins over the embedding, whichever comes first.
                 if (
@@ -650,6 +753,10 @@ class LlamaForCausalLM(nn.Module):
                 yield hf_name, tensor
                 continue
             prefix = module.removesuffix(fused.rpartition(".")[2])
+            if math.prod(checkpoint_shape(tensor)) == 1:  # an FP8 scale of the whole fused tensor
+                for name, _, _ in parts[fused]:
+                    yield f"{prefix}{name}.{leaf}", tensor
+                continue
             rows = checkpoint_shape(tensor)[0]
             if rows != parts[fused][-1][2]:
                 raise ValueError(f"{hf_name} has {rows} rows, not {parts[fused][-1][2]}")
@@ -681,6 +788,9 @@ class LlamaForCausalLM(nn.Module):
                 names |= {f"{prefix}self_attn.{p}_proj.bias" for p in "qkv"}
             if self.config.o_proj_bias:
                 names.add(f"{prefix}self_attn.o_proj.bias")
+            if self.config.fp8_checkpoint:  # every quantized projection's scale
+                names |= {f"{prefix}self_attn.{p}_proj.weight_scale" for p in "qkvo"}
+                names |= {n + "_scale" for n in hf_mlp_shapes(self.config, prefix) if n.endswith(".weight")}
         return names
 
     def _head_reads_embedding(self) -> bool:
@@ -726,6 +836,9 @@ class LlamaForCausalLM(nn.Module):
         module = self.get_submodule(module_name)
         param = getattr(module, attr)
         loader = getattr(module, "weight_loader", None)
+        if is_fp8(tensor) and param.dtype != FP8_DTYPE:
+            errors.append(f"{hf_name} is stored in FP8, but this model holds {name} in {param.dtype}")
+            return
         try:
             if loader is not None:
                 loader(param, tensor, part)

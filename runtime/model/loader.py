@@ -59,9 +59,12 @@ def load_model(
     end_layer: int | None = None,
     load_format: str = "auto",
     parallel: ParallelContext | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
-    process), reading only that slice of the checkpoint."""
+    process), reading only that slice of the checkpoint. ``quantization="fp8"`` holds the
+    decoder's projections in FP8 (``ModelConfig.quantization``; an FP8 checkpoint is held so
+    whatever this says)."""
     path = resolve_model_path(model)
     shard = {
         "dtype": dtype,
@@ -69,6 +72,7 @@ def load_model(
         "start_layer": start_layer,
         "end_layer": end_layer,
         "parallel": parallel,
+        "quantization": quantization,
     }
     start = time.perf_counter()
     kind = "random weights" if load_format == "dummy" else "GGUF" if os.path.isfile(path) else "Hugging Face"
@@ -86,8 +90,8 @@ def load_model(
 
         net, config = load_hf_model(path, **shard)
         loaded = LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
-    progress.info("loaded %s (%s) in %.1f s", _layers(loaded.model, loaded.config), str(dtype).removeprefix("torch."),
-                  time.perf_counter() - start)
+    held = str(dtype).removeprefix("torch.") + (", FP8 projections" if loaded.config.quantization else "")
+    progress.info("loaded %s (%s) in %.1f s", _layers(loaded.model, loaded.config), held, time.perf_counter() - start)
     return loaded
 
 
@@ -109,7 +113,7 @@ def _load_gguf(path, **shard) -> LoadedModel:
     # Lazy slices: other stages' tensors are never dequantized, and a TP rank dequantizes only
     # its rows / columns of the rest.
     net.load_weights(ckpt.iter_weight_slices())
-    return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_gguf(ckpt), path=path)
+    return LoadedModel(model=net, config=net.config, tokenizer=Tokenizer.from_gguf(ckpt), path=path)
 
 
 def _load_dummy(path, **shard) -> LoadedModel:
@@ -126,7 +130,7 @@ def _load_dummy(path, **shard) -> LoadedModel:
         (name, RandomTensor(name, shape, dtype=dtype, device=device))
         for name, shape in hf_weight_shapes(config).items()
     )
-    return LoadedModel(model=net, config=config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
+    return LoadedModel(model=net, config=net.config, tokenizer=Tokenizer.from_hf_folder(path), path=path)
 
 
 class RandomTensor:

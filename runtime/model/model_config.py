@@ -8,8 +8,9 @@ scales the embedding by sqrt(hidden_size), norms with ``(1 + w)`` in float32 bef
 both attention and MLP, gates with GELU (tanh), scales queries by ``query_pre_attn_scalar`` and
 alternates sliding-window and global layers (``layer_types``); Gemma 2 soft-caps the attention
 scores and the logits, Gemma 3 norms q/k heads and gives its local layers their own RoPE base.
-Phi-3 fuses q/k/v and gate/up in its checkpoints (split at load), scales RoPE with LongRoPE's
-short factors and, as Phi-4-mini, may turn only part of each head (``partial_rotary_factor``).
+Phi-3 fuses q/k/v and gate/up in its checkpoints (split at load), scales RoPE with LongRoPE
+(its short factors within the original context, its long ones past it) and, as Phi-4-mini, may
+turn only part of each head (``partial_rotary_factor``).
 Mixtral and Qwen3-MoE (``is_moe``) replace every layer's MLP with ``num_local_experts`` gated
 MLPs of ``intermediate_size`` each and a router that sends each token to ``num_experts_per_tok``
 of them; Qwen3-MoE has Qwen3's q/k head norms.
@@ -36,7 +37,9 @@ SUPPORTED_ARCHITECTURES = (
 )
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-SUPPORTED_ROPE_TYPES = ("llama3", "linear", "yarn", "longrope")  # plus no scaling ("default" / None)
+SUPPORTED_ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn", "longrope")  # plus no scaling ("default" / None)
+# Scalings whose frequencies depend on the sequence's length when a token is computed.
+LENGTH_SCALED_ROPE_TYPES = ("dynamic", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _ARCH_BY_MODEL_TYPE = {
@@ -74,10 +77,13 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict[str, Any] | None
-    """None for plain RoPE; else {"rope_type": "llama3" | "linear" | "yarn" | "longrope",
-    "factor": ..., ...}."""
+    """None for plain RoPE; else {"rope_type": "llama3" | "linear" | "dynamic" | "yarn" |
+    "longrope", "factor": ..., ...}. "dynamic" (NTK) and "longrope" also hold
+    ``original_max_position_embeddings``, the length past which a sequence's frequencies change
+    (``length_scaled_rope``); for "dynamic" it is config.json's max_position_embeddings."""
     max_position_embeddings: int
-    """Longest context; the RoPE tables are precomputed up to here."""
+    """Longest context (with dynamic NTK scaling, config.json's max_position_embeddings times
+    its factor); the RoPE tables are precomputed up to here."""
     tie_word_embeddings: bool
     """The LM head reuses the input embedding matrix."""
     attention_bias: bool
@@ -111,6 +117,13 @@ class ModelConfig:
     norm_topk_prob: bool = True
     """The top-k probabilities are renormalized to sum to 1 (Mixtral always; Qwen3-MoE per its
     ``norm_topk_prob``)."""
+    quantization: str | None = None
+    """How the decoder layers' linear weights are held: None in the model's dtype, "fp8" in
+    float8_e4m3fn with a float32 scale per output row (``parallel/tp_layers.py``), from an FP8
+    checkpoint or quantized at load. Embeddings, the LM head and norms keep the model's dtype."""
+    fp8_checkpoint: bool = False
+    """The checkpoint stores those weights in FP8, each with its ``weight_scale``
+    (``quantization_config``: ``fp8``, or ``compressed-tensors`` float-quantized)."""
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
@@ -170,6 +183,13 @@ class ModelConfig:
                 f"num_experts_per_tok must be in [1, num_local_experts={self.num_local_experts}], "
                 f"got {self.num_experts_per_tok}"
             )
+        if self.quantization not in (None, "fp8") or (self.fp8_checkpoint and self.quantization != "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization is not None and self.is_moe:
+            raise ValueError(
+                f"{self.architecture} with FP8 weights is not supported yet (the grouped-expert "
+                "kernel multiplies bf16 experts)"
+            )
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
                      "local_rope_theta"):
             value = getattr(self, name)
@@ -196,6 +216,12 @@ class ModelConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
+    def length_scaled_rope(self) -> bool:
+        """A token's RoPE frequencies depend on its sequence's length at the step that computes
+        it (dynamic NTK, LongRoPE), not on its position alone."""
+        return self.rope_scaling is not None and self.rope_scaling["rope_type"] in LENGTH_SCALED_ROPE_TYPES
+
+    @property
     def is_moe(self) -> bool:
         """Every layer's MLP is a routed mixture of experts."""
         return self.num_local_experts > 0
@@ -210,6 +236,11 @@ class ModelConfig:
         if self.layer_types and self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """``layer_window`` of every layer, in order (the scheduler's ``SlidingLayers.of``)."""
+        return tuple(self.layer_window(i) for i in range(self.num_hidden_layers))
 
     @property
     def o_proj_bias(self) -> bool:
@@ -257,7 +288,7 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=_max_positions(d, architecture),
+            max_position_embeddings=_max_positions(d, architecture, rope_scaling),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=architecture == "Qwen2ForCausalLM"
             or bool(d.get("attention_bias", False)),
@@ -268,6 +299,7 @@ class ModelConfig:
             **_gemma_attention(d, architecture),
             **_phi3_attention(d, architecture),
             **_moe(d, architecture),
+            **_quantization(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=tuple(int(t) for t in eos_token_ids),
         )
@@ -280,6 +312,46 @@ class ModelConfig:
             raise ValueError(f"no config.json in {str(path)!r}")
         with open(config_path, encoding="utf-8") as f:
             return cls.from_hf_dict(json.load(f))
+
+
+def _quantization(d: dict[str, Any]) -> dict[str, Any]:
+    """An FP8 checkpoint's ``quantization_config``, checked: AutoFP8 / vLLM's ``fp8`` (a scale
+    per tensor) or ``compressed-tensors`` float-quantized with 8-bit float weights (a scale per
+    tensor or per output channel), ``lm_head`` alone left unquantized. Their activation scheme
+    (static input scales, dynamic per token) does not matter: activations are quantized per
+    token on the fly (``kernels/fp8.py``). Anything else is an error naming it."""
+    q = d.get("quantization_config")
+    if not q:
+        return {}
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            raise ValueError(
+                f"block-wise FP8 checkpoints (weight_block_size={q['weight_block_size']}, a "
+                "weight_scale_inv per block) are not supported; per-tensor and per-channel FP8 are"
+            )
+        return {"quantization": "fp8", "fp8_checkpoint": True}
+    if method == "compressed-tensors":
+        if q.get("format") not in ("float-quantized", "naive-quantized"):
+            raise ValueError(
+                f"compressed-tensors format {q.get('format')!r} is not supported (float-quantized FP8 is)"
+            )
+        for name, group in (q.get("config_groups") or {}).items():
+            w = group.get("weights") or {}
+            if (w.get("type"), w.get("num_bits")) != ("float", 8) or w.get("strategy") not in ("tensor", "channel"):
+                raise ValueError(
+                    f"compressed-tensors group {name!r} quantizes weights as {w.get('type')} "
+                    f"{w.get('num_bits')}-bit by {w.get('strategy')!r}; supported: float 8-bit "
+                    "by tensor or channel"
+                )
+        ignored = [i for i in q.get("ignore") or [] if i != "lm_head"]
+        if ignored:
+            raise ValueError(f"FP8 checkpoints that leave layers besides lm_head unquantized are not supported: {ignored}")
+        return {"quantization": "fp8", "fp8_checkpoint": True}
+    raise ValueError(
+        f"quantization method {method!r} is not supported; FP8 checkpoints (fp8, compressed-tensors "
+        "float-quantized) are, and quantization=fp8 quantizes a float checkpoint at load"
+    )
 
 
 def _require(d: dict[str, Any], key: str) -> Any:
@@ -315,13 +387,25 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return rope_theta, None
     if rope_type in ("longrope", "su"):  # "su": Phi-3's first name for it
         return rope_theta, _longrope(d, params)
+    if rope_type == "dynamic":
+        return rope_theta, _dynamic_ntk(d, params)
     return rope_theta, {"rope_type": rope_type, **params}
+
+
+def _dynamic_ntk(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Dynamic NTK's parameters. transformers grows the base for a sequence longer than the
+    config's max_position_embeddings (and reads no other length: an
+    ``original_max_position_embeddings`` among the parameters does not count), so that length
+    becomes original_max_position_embeddings here, and the context extends to factor times it
+    (``_max_positions``)."""
+    return {**params, "rope_type": "dynamic",
+            "original_max_position_embeddings": _require(d, "max_position_embeddings")}
 
 
 def _longrope(d: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
     """LongRoPE's parameters with its factor made explicit: transformers derives it from the
     config's max_position_embeddings over original_max_position_embeddings (which Phi-3 keeps
-    at the top level), and we cap max_position_embeddings (``_max_positions``)."""
+    at the top level)."""
     original = params.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
     if original is None:
         raise ValueError("longrope RoPE scaling lacks original_max_position_embeddings")
@@ -335,9 +419,10 @@ def _gemma3_rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float
     ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq`` (defaults 1e6 and 1e4)."""
     params = d.get("rope_parameters") or {}
     if "full_attention" in params:
-        rope_theta, rope_scaling = _rope({"rope_parameters": params["full_attention"], "rope_theta": 1e6})
+        lengths = {k: d[k] for k in ("max_position_embeddings", "original_max_position_embeddings") if k in d}
+        rope_theta, rope_scaling = _rope({"rope_parameters": params["full_attention"], "rope_theta": 1e6, **lengths})
         local_theta, local_scaling = _rope(
-            {"rope_parameters": params.get("sliding_attention") or {}, "rope_theta": 1e4}
+            {"rope_parameters": params.get("sliding_attention") or {}, "rope_theta": 1e4, **lengths}
         )
     else:
         rope_theta, rope_scaling = _rope({"rope_theta": 1e6, **d})
@@ -433,6 +518,7 @@ def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
         )
     keys = {
         "llama3": _LLAMA3_ROPE_KEYS,
+        "dynamic": ("factor", "original_max_position_embeddings"),
         "yarn": ("original_max_position_embeddings",),
         "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor"),
     }.get(rope_type, ("factor",))
@@ -441,16 +527,24 @@ def _check_rope_scaling(rope_scaling: dict[str, Any] | None) -> None:
         raise ValueError(f"rope_scaling of type {rope_type!r} lacks {missing}")
     if rope_type == "yarn" and rope_scaling.get("factor") is None:
         return  # DeepSeek-style: max_position_embeddings / original_max_position_embeddings
-    if not rope_scaling["factor"] > 0 or not math.isfinite(rope_scaling["factor"]):
-        raise ValueError(f"rope_scaling factor must be positive, got {rope_scaling['factor']}")
+    factor = rope_scaling["factor"]
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"rope_scaling factor must be a positive number, got {factor!r}")
+    if rope_type == "dynamic" and factor < 1:
+        raise ValueError(f"dynamic rope_scaling factor must be >= 1 (it extends the context), got {factor}")
 
 
-def _max_positions(d: dict[str, Any], architecture: str) -> int:
-    """The context limit. Mistral v0.1, Mixtral and Qwen2 / Qwen3(-MoE) with use_sliding_window
-    slide over every layer; they are capped to their window, within which full attention is
-    exact (vLLM did the same before it supported windows). Gemma's and Phi-3's windows are real
-    (``layer_types``). LongRoPE caps it too (``_longrope_cap``)."""
-    max_positions = _longrope_cap(d, _require(d, "max_position_embeddings"))
+def _max_positions(d: dict[str, Any], architecture: str, rope_scaling: dict[str, Any] | None) -> int:
+    """The context limit. Dynamic NTK scaling extends config.json's max_position_embeddings by
+    its factor (as vLLM does): transformers grows the base only for sequences longer than that,
+    so without the extension the scaling would never act. Mistral v0.1, Mixtral and Qwen2 /
+    Qwen3(-MoE) with use_sliding_window slide over every layer; they are capped to their
+    window, within which full attention is exact (vLLM did the same before it supported
+    windows). Gemma's and Phi-3's windows are real (``layer_types``)."""
+    max_positions = _require(d, "max_position_embeddings")
+    if rope_scaling is not None and rope_scaling["rope_type"] == "dynamic":
+        _check_rope_scaling(rope_scaling)  # a clear error for a bad factor before it is used
+        max_positions = int(max_positions * rope_scaling["factor"])
     if architecture in GEMMA_ARCHITECTURES + ("Phi3ForCausalLM",):
         return max_positions
     window = d.get("sliding_window")
@@ -459,15 +553,3 @@ def _max_positions(d: dict[str, Any], architecture: str) -> int:
     ):
         window = None
     return min(max_positions, window) if window else max_positions
-
-
-def _longrope_cap(d: dict[str, Any], max_positions: int) -> int:
-    """LongRoPE turns by its short factors up to original_max_position_embeddings and by its
-    long ones past it; transformers switches a sequence to the long ones (recomputing all of
-    its keys) once it grows past. We implement the short ones, exact up to there, and cap the
-    context at that length."""
-    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    if (params.get("rope_type") or params.get("type")) not in ("longrope", "su"):
-        return max_positions
-    original = params.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
-    return min(max_positions, original)

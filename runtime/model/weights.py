@@ -6,6 +6,7 @@ pipeline stage never reads another stage's layers, and a TP rank reads only its 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +55,7 @@ def load_hf_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build layers [start_layer, end_layer) of this TP rank's shard (``parallel``; default one
     process) directly on ``device`` in ``dtype``, and read just those weights into it."""
@@ -68,9 +70,10 @@ def load_hf_model(
         start_layer=start_layer,
         end_layer=end_layer,
         parallel=parallel,
+        quantization=quantization,
     )
     model.load_weights(iter_safetensors_slices(folder))
-    return model, config
+    return model, model.config
 
 
 def build_model(
@@ -81,11 +84,15 @@ def build_model(
     start_layer: int = 0,
     end_layer: int | None = None,
     parallel: ParallelContext | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """An inference-mode model (no grads, eval) born on ``device`` in ``dtype``, with
     PyTorch's default init; load_weights (or a benchmark's random fill) comes next. The
     global default dtype is restored afterwards; the RoPE tables stay float32. ``parallel``
-    picks the TP shard (default: one process, the whole layers)."""
+    picks the TP shard (default: one process, the whole layers). ``quantization="fp8"`` holds
+    the decoder's projections in FP8 (a float checkpoint is quantized as it loads)."""
+    if quantization is not None and quantization != config.quantization:
+        config = dataclasses.replace(config, quantization=quantization)
     previous_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

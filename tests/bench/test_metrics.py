@@ -12,7 +12,7 @@ import pytest
 
 from pipeserve.runtime.bench import metrics as M
 from pipeserve.runtime.engine.llm_engine import StepRecord
-from pipeserve.scheduler import CostModel, SchedulerConfig, Work
+from pipeserve.scheduler import CostModel, SchedulerConfig, SlidingLayers, Work
 
 
 def test_percentiles_match_numpy():
@@ -190,6 +190,22 @@ def test_moe_flops_count_active_experts_and_bytes_every_expert():
     assert s.layer_params == held - 2 * 3 * 64 * 96  # two experts idle per token
     assert s.flops(10, 0, 0) == 2 * 10 * 3 * s.layer_params
     assert s.bytes_moved(0) == 2 * (3 * held + 64 * 300)
+
+
+def test_efficiency_counts_the_keys_a_sliding_layer_reads():
+    """Gemma 2's alternation over 3 layers (window 4, full, window 4): the prefill's attention
+    FLOPs and the decode's KV bytes count, layer by layer, the keys each query sees."""
+    s = M.ModelShape(64, 96, 3, 4, 2, 16, 300, dtype_bytes=2, sliding_layers=SlidingLayers.of([4, None, 4]))
+    records = [rec(0, [("a", 0, 8, True)]), rec(1, [("a", 8, 1, True)])]
+    e = M.efficiency(records, {0: 1.0, 1: 1.0}, s, {"a": 8}, peak_tflops=None, peak_mem_bw_gbps=None)
+    # Prefill of 8: q * ctx = 64 (query, key) pairs on the full layer; the window hides keys
+    # k <= p - 4 from the queries p = 4..7 (1 + 2 + 3 + 4 keys) on each sliding one.
+    pairs = 64 + 2 * (64 - 10)
+    linear, head = 2 * 8 * 3 * s.layer_params, 2 * 64 * 300
+    assert e["prefill_tflops"] * 1e12 == pytest.approx(linear + 4 * 4 * 16 * pairs + head, rel=1e-12)
+    # The decode at position 8 reads 9 keys on the full layer, 4 on each sliding one.
+    kv_bytes = 2 * 2 * 16 * (9 + 4 + 4) * 2  # K and V, kv heads, head_dim, tokens, bytes
+    assert e["decode_gb_per_s"] * 1e9 == pytest.approx(2 * (3 * s.layer_weights + 64 * 300) + kv_bytes, rel=1e-12)
 
 
 def test_efficiency_splits_prefill_and_decode_steps():

@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 import torch
 from helpers_kernels import runs_triton
-from helpers_model import write_tiny_checkpoint, write_word_level_tokenizer
+from helpers_model import LENGTH_SCALED_KINDS, tiny_hf_config, write_tiny_checkpoint, write_word_level_tokenizer
 from pipeserve.kernels import kernel_ops
+from pipeserve.runtime.model.llama import LlamaForCausalLM
+from pipeserve.runtime.model.model_config import ModelConfig
 from pipeserve.runtime.worker.batch import StepInputs, to_tensors
 from pipeserve.runtime.config import EngineConfig, ParallelConfig
 from pipeserve.runtime.worker.cuda_graphs import (
@@ -160,6 +162,32 @@ def test_mixed_step_exact_bucket_and_fallbacks():
     assert plan_mixed_step(step, buckets=[32], max_seqs=8, **kw) is None  # too many tokens
     assert plan_mixed_step(step, buckets=[64], max_seqs=3, **kw) is None  # too many sequences
     assert plan_mixed_step(step, buckets=[64], max_seqs=8, **{**kw, "max_blocks_per_seq": 2}) is None
+
+
+@pytest.mark.parametrize("kind", LENGTH_SCALED_KINDS)
+def test_length_scaled_rope_reads_the_padded_metadata(kind):
+    """Dynamic NTK and LongRoPE take each token's sequence length from the metadata: in a
+    decode bucket's and a mixed bucket's static buffers (padding rows and the padding sequence
+    beside the real ones) the real rows get the eager step's cos/sin, on both sides of the
+    original context (32), and the padding rows finite ones."""
+    model = LlamaForCausalLM(ModelConfig.from_hf_dict(tiny_hf_config(kind).to_dict()))
+    caches = allocate_kv_cache(model.config, num_layers=model.num_layers, num_blocks=60, block_size=BLOCK,
+                               dtype=torch.float32, device="cpu")
+    runner = CudaGraphRunner(model, caches, max_batch=8, max_tokens=64, max_seqs=6, block_size=BLOCK,
+                             max_model_len=128, device=torch.device("cpu"), use_graphs=False)
+    decode = decode_step([40, 10, 31, 32, 5], [[1, 2, 3], [4], [5, 6], [7, 8, 9], [10]])
+    for step, bucket_kind in ((decode, "decode"), (mixed_step(), "mixed")):  # lengths 41 … 6, 47 … 8
+        g = runner.prepare(step)
+        assert g.kind == bucket_kind and g.bucket > g.num_tokens
+        with torch.inference_mode():  # what a replay copies in
+            runner.tokens[:, : g.bucket] = torch.from_numpy(g.tokens)
+            (runner.seq_lens if g.kind == "decode" else runner.mixed_ints)[: len(g.ints)] = torch.from_numpy(g.ints)
+        cos, sin = model.rotary_emb(runner.positions[: g.bucket], torch.float32, runner._metadata(g.key))
+        ref = to_tensors(step, block_size=BLOCK, device=torch.device("cpu"))
+        want_cos, want_sin = model.rotary_emb(ref.positions, torch.float32, ref.meta)
+        n = g.num_tokens
+        assert torch.equal(cos[:n], want_cos) and torch.equal(sin[:n], want_sin)
+        assert torch.isfinite(cos).all() and torch.isfinite(sin).all()
 
 
 def test_padded_step_sample_rows():
@@ -342,10 +370,10 @@ def compare_mixed(twins: TwinRunners, steps: list[tuple[int, int]], *, atol: flo
     assert twins.graphs.num_replays - replays == sum(c + d <= max_tokens if c else d <= max_batch for c, d in steps)
 
 
-def tiny_model(tmp_path, device, dtype):
+def tiny_model(tmp_path, device, dtype, kind="llama"):
     from pipeserve.runtime.model.weights import load_hf_model
 
-    folder = write_tiny_checkpoint(tmp_path, "llama")
+    folder = write_tiny_checkpoint(tmp_path, kind)
     model, _ = load_hf_model(folder, dtype=dtype, device=device)
     model.set_ops(kernel_ops("triton", torch.device(device)))
     return model
@@ -408,6 +436,20 @@ def test_gpu_mixed_graph_replay_matches_eager(tmp_path, dtype, atol, margin):
     steps = [(15, 1), (50, 6), (0, 5), (64, 0), (100, 12), (7, 9), (120, 8), (0, 16), (33, 15), (90, 2),
              (140, 3), (100, 1)]
     compare_mixed(twins, steps, atol=atol, margin=margin, num_seqs=16)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("kind", LENGTH_SCALED_KINDS)
+def test_gpu_length_scaled_rope_graph_replay_matches_eager(tmp_path, kind):
+    """Dynamic NTK and LongRoPE computed inside the captured graphs from the static buffers'
+    positions and sequence lengths: decode and mixed buckets holding sequences on both sides of
+    the original context (32), which some cross between replays."""
+    model = tiny_model(tmp_path, "cuda", torch.float32, kind)
+    twins = TwinRunners(model, device=torch.device("cuda"), max_batch=8, max_tokens=64, use_graphs=True,
+                        max_model_len=model.config.max_position_embeddings)
+    compare_decodes(twins, [1, 3, 8, 5, 8, 2, 7], atol=1e-4, margin=1e-3, num_seqs=8, max_prompt=40)
+    compare_mixed(twins, [(10, 3), (30, 2), (0, 4), (20, 6), (40, 1), (12, 8)], atol=1e-4, margin=1e-3)
 
 
 @pytest.mark.gpu

@@ -62,7 +62,7 @@ def _cos_sin(T, head_dim, scaled, dtype, gen, device):
     """cos, sin [T, d] in ``dtype`` at random positions (some past the original context)."""
     positions = torch.randint(0, MAX_POSITIONS, (T,), generator=gen)
     positions[0] = 0  # the identity rotation
-    cos, sin = _tables(head_dim, scaled)(positions, dtype)
+    cos, sin = _tables(head_dim, scaled)(positions, dtype, None)  # (tables: no metadata read)
     return cos.to(device), sin.to(device)
 
 

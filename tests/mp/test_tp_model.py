@@ -22,7 +22,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from helpers_model import hf_logits, load_hf_reference, make_metadata, write_tiny_checkpoint
+from helpers_model import (
+    hf_logits,
+    hf_logits_by_chunks,
+    load_hf_reference,
+    make_metadata,
+    write_fp8_checkpoint,
+    write_tiny_checkpoint,
+)
 
 from pipeserve.parallel.context import ParallelContext, build_parallel_context
 from pipeserve.parallel.stage_plan import plan_stages
@@ -137,6 +144,9 @@ class _CountingSlice:
     def get_shape(self):
         return self.inner.get_shape()
 
+    def get_dtype(self):
+        return self.inner.get_dtype()
+
     def __getitem__(self, key):
         t = self.inner[key]
         self.counter[0] += t.numel()
@@ -244,11 +254,21 @@ def run_ranks(
 # --- references and checks ----------------------------------------------------------------------
 
 
-def _references(folder: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per micro-batch [T, V] logits of transformers (one pass per sequence, sliced: by causality
-    position p's logits do not depend on later tokens) and of our single-process model."""
-    hf = load_hf_reference(folder)
-    per_seq = {s: hf_logits(hf, _tokens(s)) for s in (0, 1)}
+def _references(
+    folder: Path, hf_folder: Path, *, by_chunks: bool = False
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per micro-batch [T, V] logits of transformers on ``hf_folder`` (one pass per sequence,
+    sliced: by causality position p's logits do not depend on later tokens; ``by_chunks``: fed
+    each sequence's chunks of STEPS in turn, as a RoPE that follows the sequence's length needs)
+    and of our single-process model on ``folder``."""
+    if by_chunks:
+        sizes = {s: [n for step in STEPS for t, n in step if t == s] for s in (0, 1)}
+        starts = {s: [sum(ns[:i]) for i in range(len(ns))] for s, ns in sizes.items()}
+        per_seq = {s: hf_logits_by_chunks(hf_folder, [_tokens(s)[a : a + n] for a, n in zip(starts[s], ns)])
+                   for s, ns in sizes.items()}
+    else:
+        hf = load_hf_reference(hf_folder)
+        per_seq = {s: hf_logits(hf, _tokens(s)) for s in (0, 1)}
     done, want_hf = {0: 0, 1: 0}, []
     for step in STEPS:
         want_hf.append(torch.cat([per_seq[s][done[s] : done[s] + n] for s, n in step]))
@@ -259,8 +279,12 @@ def _references(folder: Path) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return want_hf, want_ours
 
 
-def check_logits(results: list[dict], folder: Path, atol: float = ATOL) -> None:
-    want_hf, want_ours = _references(folder)
+def check_logits(
+    results: list[dict], folder: Path, atol: float = ATOL, hf_folder: Path | None = None, *, by_chunks: bool = False
+) -> None:
+    """``hf_folder``: the checkpoint transformers reads (default ``folder``); ``by_chunks``: see
+    ``_references``."""
+    want_hf, want_ours = _references(folder, hf_folder or folder, by_chunks=by_chunks)
     vocab = ModelConfig.from_hf_folder(folder).vocab_size
     last = [r for r in results if r["is_last_stage"]]
     assert last
@@ -357,6 +381,14 @@ def test_qwen3_head_norms_tp2_and_tp2_pp2(tmp_path):
     check_logits(run_ranks(tmp_path / "pp", folder, tp=2, pp=2), folder)
 
 
+def test_tp2_dynamic_ntk_rope(tmp_path):
+    """Dynamic NTK (original context 32) on 2 ranks: sequence 0's last decodes run past it beside
+    sequence 1's within it; every rank turns its heads by the same per-sequence frequencies."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "llama_dynamic_rope", seed=16)
+    results = run_ranks(tmp_path, folder, tp=2)
+    check_logits(results, folder, by_chunks=True)
+
+
 def test_tp2_gemma2(tmp_path):
     """Gemma 2's sliding-window layer 0 (window 12, shorter than both prompts), soft-capped
     scores and logits, (1 + w) norms, scaled embedding and tied head, on 2 ranks."""
@@ -401,6 +433,18 @@ def test_pp2_qwen3_moe(tmp_path):
     assert [r["stage"] for r in results] == [0, 1]
     check_logits(results, folder)
     check_slices(results, folder, tp=1, pp=2, kv_aligned=True)
+
+
+def test_tp2_fp8_checkpoint(tmp_path):
+    """An FP8 checkpoint (compressed-tensors, a scale per output channel) on 2 ranks: each reads
+    its rows of the FP8 q/k/v and gate/up weights with their rows of the scales, and its columns
+    of o_proj and down_proj with all of theirs; the logits match transformers holding the
+    dequantized weights (the CPU multiplies dequantized weights)."""
+    src = write_tiny_checkpoint(tmp_path / "src", "llama", seed=15)
+    write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "ref", method="compressed-tensors", strategy="channel")
+    results = run_ranks(tmp_path, tmp_path / "fp8", tp=2)
+    assert all(r["numels"]["layers.0.mlp.down_proj.weight_scale"] == 64 for r in results)  # every row, per rank
+    check_logits(results, tmp_path / "fp8", hf_folder=tmp_path / "ref")
 
 
 def test_tp2_pp2_tied_head_on_the_last_stage(tmp_path):

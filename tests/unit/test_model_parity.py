@@ -33,6 +33,7 @@ from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_
 from pipeserve.runtime.model.llama import LlamaForCausalLM, rope_inv_freq, rope_parameters  # noqa: E402
 from pipeserve.runtime.model.model_config import ModelConfig  # noqa: E402
 from pipeserve.runtime.model.weights import iter_safetensors, load_hf_model  # noqa: E402
+from pipeserve.scheduler import SlidingLayers  # noqa: E402
 
 ATOL = 1e-4
 PROMPT_LEN = 70
@@ -193,6 +194,12 @@ def test_config_defaults_and_hf_variants():
     )
     assert c.rope_theta == 5e5 and c.rope_scaling == {"rope_type": "linear", "factor": 4.0}
     assert c.eos_token_ids == (2,)
+    # dynamic NTK grows the base past config.json's context (as transformers does, whatever else
+    # the parameters say) and the context extends by its factor
+    c = ModelConfig.from_hf_dict(_llama_dict(rope_scaling={"type": "dynamic", "factor": 2.5,
+                                                           "original_max_position_embeddings": 100}))
+    assert c.rope_scaling == {"rope_type": "dynamic", "factor": 2.5, "original_max_position_embeddings": 256}
+    assert c.max_position_embeddings == 640 and c.length_scaled_rope
     # transformers 5.x layout
     c = ModelConfig.from_hf_dict(
         _llama_dict(rope_parameters={"rope_theta": 1e6, "rope_type": "default"})
@@ -216,7 +223,10 @@ def test_config_defaults_and_hf_variants():
         ({"num_key_value_heads": 3}, "multiple of num_key_value_heads"),
         ({"hidden_size": 66}, "no head_dim"),
         ({"head_dim": 15}, "even"),
-        ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "unsupported rope scaling"),
+        ({"rope_scaling": {"rope_type": "proportional", "factor": 4.0}}, "unsupported rope scaling"),
+        ({"rope_scaling": {"rope_type": "dynamic"}}, r"lacks \['factor'\]"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": "4"}}, "factor must be a positive number"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 0.5}}, "factor must be >= 1"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "lacks"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "lacks"),
@@ -241,6 +251,7 @@ def test_gemma_and_phi3_configs():
     c = ModelConfig.from_hf_dict(_gemma_dict(num_hidden_layers=3))
     assert c.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert (c.layer_window(0), c.layer_window(1), c.hidden_act) == (16, None, "gelu_pytorch_tanh")
+    assert SlidingLayers.of(c.layer_windows) == SlidingLayers(window=16, layer_share=2 / 3)  # the scheduler's
     assert c.max_position_embeddings == 256 and c.is_gemma and not c.qk_norm
     # transformers 4's Gemma 3 layout: global theta and scaling, a local base, a layer pattern
     c = ModelConfig.from_hf_dict(_gemma_dict("Gemma3ForCausalLM", num_hidden_layers=4, sliding_window_pattern=3,
@@ -248,12 +259,14 @@ def test_gemma_and_phi3_configs():
                                              rope_scaling={"rope_type": "linear", "factor": 8.0}))
     assert c.layer_types == ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention")
     assert (c.rope_theta, c.local_rope_theta, c.rope_scaling["factor"], c.qk_norm) == (1e6, 1e4, 8.0, True)
-    # Phi-3: "su" is LongRoPE; the context stops where the short factors do; the window slides everywhere
+    # Phi-3: "su" is LongRoPE, its long factors past original_max_position_embeddings (the context
+    # is max_position_embeddings); the window slides everywhere
     c = ModelConfig.from_hf_dict(_llama_dict(
         architectures=["Phi3ForCausalLM"], original_max_position_embeddings=64, sliding_window=47,
         rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}))
     assert c.rope_scaling["rope_type"] == "longrope" and c.rope_scaling["factor"] == 4.0
-    assert c.max_position_embeddings == 64 and c.layer_types == ("sliding_attention",) * 2
+    assert c.rope_scaling["original_max_position_embeddings"] == 64 and c.length_scaled_rope
+    assert c.max_position_embeddings == 256 and c.layer_types == ("sliding_attention",) * 2
 
 
 @pytest.mark.parametrize(
@@ -421,8 +434,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini", "mixtral",
-                                  "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "llama_yarn_rope", "qwen2", "qwen3", "gemma2", "gemma3", "phi3",
+                                  "phi4_mini", "mixtral", "qwen3_moe"])
 def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kind, backend):
     from pipeserve.kernels import kernel_ops
 
@@ -445,7 +458,7 @@ def test_gpu_float32_chunked_prefill_and_decode_match_transformers(tmp_path, kin
 # (Not the MoE kinds: in bf16 a near tie between two experts' router scores goes one way in ours
 # and the other in transformers' at single tokens, 0.93 apart on a logit scale of 3.5 for the
 # tiny Mixtral on an H200; their float32 parity, through both op tables, is the test above.)
-@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "gemma2", "gemma3", "phi3", "phi4_mini"])
+@pytest.mark.parametrize("kind", ["llama", "llama3_rope", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "phi4_mini"])
 def test_gpu_bfloat16_matches_transformers_within_bf16_noise(tmp_path, kind):
     """bf16 error of ours vs the float32 reference is no worse than transformers' own bf16
     error (scaled), and greedy choices mostly agree."""

@@ -12,6 +12,7 @@ from pipeserve.scheduler import (
     SchedulerConfig,
     SchedulerLimits,
     SchedulerOutput,
+    SlidingLayers,
     Work,
 )
 
@@ -32,12 +33,13 @@ def make_scheduler(
     block_size: int = 4,
     cost_model: CostModel | None = None,
     max_model_len: int = 64,
+    sliding_layers: SlidingLayers | None = None,
     **config,
 ) -> Scheduler:
     cfg = SchedulerConfig(policy=policy, **config)
     return Scheduler(
         cfg,
-        limits=SchedulerLimits(max_model_len=max_model_len),
+        limits=SchedulerLimits(max_model_len=max_model_len, sliding_layers=sliding_layers),
         num_blocks=num_blocks,
         block_size=block_size,
         cost_model=cost_model,
@@ -283,12 +285,19 @@ def test_every_policy_finishes_with_reference_outputs(policy, depth):
 # ---- time budget --------------------------------------------------------------------------------
 
 
-def test_time_budget_fills_target_and_chunks_shrink_as_prefix_grows():
+# Windows that change nothing: none (what a model without sliding layers passes), and one no
+# context of these tests reaches (max_model_len 256).
+UNBOUND_WINDOWS = [None, SlidingLayers(window=256, layer_share=0.5)]
+
+
+@pytest.mark.parametrize("sliding", UNBOUND_WINDOWS, ids=["no-window", "window-never-reached"])
+def test_time_budget_fills_target_and_chunks_shrink_as_prefix_grows(sliding):
+    """The chunks and predicted times are bit for bit the full-attention formula's (q * ctx)."""
     model = CostModel(per_token=1e-4, per_attn=1e-6, per_seq=0.0, fixed=0.0)
     budget = 2e-3
     sched = make_scheduler(
         num_blocks=64, max_model_len=256, max_num_batched_tokens=512, time_budget_s=budget,
-        cost_model=model,
+        cost_model=model, sliding_layers=sliding,
     )
     (r,) = make_requests(200)
     sched.add_request(r)
@@ -299,14 +308,12 @@ def test_time_budget_fills_target_and_chunks_shrink_as_prefix_grows():
         q, c = s.num_scheduled_tokens, s.num_computed_tokens
         # Independent check of the formula: this chunk fits, one more token would not.
         assert 1e-4 * q + 1e-6 * q * (c + q) <= budget + 1e-15
-        assert out.predicted_time == pytest.approx(1e-4 * q + 1e-6 * q * (c + q))
+        assert out.predicted_time == 1e-4 * q + 1e-6 * (q * (c + q))
         if not s.needs_sample:
             assert 1e-4 * (q + 1) + 1e-6 * (q + 1) * (c + q + 1) > budget
         sizes.append(q)
         assert len(sizes) < 100
-    assert sizes[0] == 17 and sizes[1] == 15
-    assert all(a >= b for a, b in zip(sizes[:-1], sizes[1:-1]))
-    assert sizes[-2] < sizes[0]
+    assert sizes == [17, 15, 13, 12, 11, 11, 10, 10, 9, 9, 8, 8, 8, 8, 7, 7, 7, 7, 7, 6, 6, 4]
 
 
 def lone_prompt_chunks(**config) -> list[int]:
@@ -328,19 +335,66 @@ def test_time_budget_fills_full_chunks_and_the_token_budget_keeps_sarathis():
     assert lone_prompt_chunks(max_num_batched_tokens=48) == [48, 48, 48, 48, 8]
 
 
-def test_predicted_time_counts_every_sequence_of_the_batch():
+@pytest.mark.parametrize("sliding", [None, SlidingLayers(window=8, layer_share=0.75)], ids=["full", "window-8"])
+def test_predicted_time_counts_every_sequence_of_the_batch(sliding):
     """The builder's running totals (tokens, q * ctx, context read, sequences) give the same
     prediction as the scheduled sequences' totals, decodes beside a chunk, knee and per_kv on."""
     model = CostModel(per_token=1e-4, per_attn=1e-7, per_kv=1e-6, per_seq=1e-5, fixed=1e-3, knee_tokens=20.0)
-    sched = make_scheduler(num_blocks=256, max_num_batched_tokens=64, time_budget_s=1.0, cost_model=model)
+    sched = make_scheduler(num_blocks=256, max_num_batched_tokens=64, time_budget_s=1.0, cost_model=model,
+                           sliding_layers=sliding)
     for r in make_requests(30, 12, 50):
         sched.add_request(r)
     for _ in range(12):
         out = sched.schedule()
         seqs = [(s.num_computed_tokens, s.num_scheduled_tokens) for s in out.scheduled]
-        assert out.predicted_time == pytest.approx(model.predict(Work.of(seqs)), rel=1e-12)
+        assert out.predicted_time == pytest.approx(model.predict(Work.of(seqs, sliding)), rel=1e-12)
         sched.update(out, sample_all(out))
     assert any(s.num_scheduled_tokens == 1 for s in out.scheduled)  # decodes were in the batches
+
+
+def brute_force_seconds(model: CostModel, c: int, q: int, layer_windows) -> float:
+    """A lone chunk's predicted time from each layer's keys, per query: q * ctx charges every
+    query the whole context, a window hides keys k <= p - W from the query at p; the KV read is
+    the keys some query sees. Means over the layers."""
+    ctx, attn, kv = c + q, 0, 0
+    for w in layer_windows:
+        oldest = [0 if w is None else max(0, p + 1 - w) for p in range(c, ctx)]  # first visible key
+        attn += sum(ctx - k for k in oldest)
+        kv += ctx - oldest[0]
+    n = len(layer_windows)
+    return model.per_token * q + model.per_attn * attn / n + model.per_kv * kv / n
+
+
+def test_sliding_layers_fit_more_of_a_long_context_into_a_time_budget():
+    """A Gemma-3-like model (five layers of six slide over 512 keys) against the same model
+    with every layer full, chunking one 3,000-token prompt under the same time budget: chunks
+    are equal until the window binds, larger past it, and each is the largest that a
+    per-key count of its work fits."""
+    model = CostModel(per_token=1e-5, per_attn=1e-8, per_kv=1e-7, per_seq=0.0, fixed=0.0)
+    budget = 5e-3
+    gemma = (512, 512, 512, 512, 512, None) * 2
+    runs = {}
+    for name, windows in (("full", (None,) * 12), ("gemma", gemma)):
+        sched = make_scheduler(num_blocks=200, block_size=16, max_model_len=3200, max_num_batched_tokens=2048,
+                               time_budget_s=budget, cost_model=model, sliding_layers=SlidingLayers.of(windows))
+        (r,) = make_requests(3000)
+        sched.add_request(r)
+        chunks = []
+        while not r.awaiting_token:
+            (s,) = sched.schedule().scheduled
+            c, q = s.num_computed_tokens, s.num_scheduled_tokens
+            assert brute_force_seconds(model, c, q, windows) <= budget * (1 + 1e-12)
+            if not s.needs_sample:
+                assert brute_force_seconds(model, c, q + 1, windows) > budget
+            chunks.append((c, q))
+        runs[name] = chunks
+    full, gemma = runs["full"], runs["gemma"]
+    first_bound = next(i for i, (c, q) in enumerate(full) if c + q > 512)
+    assert gemma[:first_bound] == full[:first_bound]
+    # Past the window the sliding layers' attention stops growing with the prefix.
+    late = [q for c, q in gemma if c >= 1000][:-1]
+    assert min(late) > max(q for c, q in full if c >= 1000)
+    assert len(gemma) < len(full)
 
 
 def test_time_budget_still_caps_tokens_and_always_makes_progress():
@@ -447,3 +501,5 @@ def test_config_validation(kwargs):
 def test_limits_validation():
     with pytest.raises(ValueError):
         SchedulerLimits(max_model_len=1.5)
+    with pytest.raises(ValueError, match="sliding_layers"):
+        SchedulerLimits(max_model_len=64, sliding_layers=16)
