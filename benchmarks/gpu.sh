@@ -12,7 +12,9 @@
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
+#   fp8       1 GPU    FP8 weights against bf16: throughput, KV blocks, decode steps against each floor, greedy agreement
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2, NCCL's sums against symmetric memory, kernels by kind
+#   structured 1 GPU   plain, penalties, a quarter under a JSON schema; xgrammar against outlines-core per token
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
 # benchmarks/README.md says what each measures, how long it takes and what to carry (FastGen's
@@ -29,7 +31,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling async coldstart capacity bubbles roofline tpsteps profile"
+SCENARIOS="peers prefix sharegpt scaling async coldstart capacity bubbles roofline fp8 tpsteps structured profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -207,11 +209,35 @@ roofline() {  # ~2 min
   tool roofline 300 0 roofline $TOK_TOOL --profile --out "$DIR/roofline.json"
 }
 
+fp8() {  # ~7 min: four throughput runs, two roofline runs, the agreement of 64 SmolLM2 chats
+  local w q
+  for w in uniform decode-heavy; do
+    for q in bf16 fp8; do
+      run "fp8-$w-$q" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL \
+        $([ $q = fp8 ] && echo --quantization fp8)
+    done
+  done
+  tool fp8-roofline-bf16 200 0 roofline $TOK_TOOL --out "$DIR/roofline-bf16.json"
+  tool fp8-roofline-fp8 200 0 roofline $TOK_TOOL --quantization fp8 --out "$DIR/roofline-fp8.json"
+  tool fp8-agreement 300 0 agreement --layouts fp8 --workdir "$DIR" --out "$DIR/agreement.json"
+}
+
 tpsteps() {  # ~2 min: three runs of tools/tp_steps (start-up and graph capture included)
   need_gpus 2 || return 0
   tool tpsteps-tp1 200 0 tp_steps $TOK_TOOL --profile --out "$DIR/tp1.json"
   run tpsteps-tp2 200 0,1 torchrun --nproc-per-node 2 -m tools.tp_steps $TOK_TOOL --profile --out "$DIR/tp2.json"
   run tpsteps-tp2-nccl 200 0,1 torchrun --nproc-per-node 2 -m tools.tp_steps $TOK_TOOL --nccl --out "$DIR/tp2-nccl.json"
+}
+
+structured() {  # ~8 min: three throughput runs, then the grammar probes (outlines-core's wheel from .whl)
+  # JSON needs a vocabulary that spells it: the generated word-level one cannot.
+  [ -n "$TOK_TOOL" ] || { echo "structured: needs .whl/gpt2_tokenizer.json: skipped"; return 0; }
+  run structured-plain 170 0 python3 "$REPO/benchmarks/throughput.py" $TOK_TOOL
+  run structured-penalties 170 0 python3 "$REPO/benchmarks/throughput.py" $TOK_TOOL --penalties
+  run structured-json 170 0 python3 "$REPO/benchmarks/throughput.py" $TOK_TOOL --json-fraction 0.25
+  [ -f "$ROOT/tools/grammar_steps.py" ] || return 0   # (older trees lack the probes)
+  tool structured-libraries 400 0 grammar_overhead --out "$DIR/libraries.json"
+  tool structured-steps 120 0 grammar_steps batch --threads 1,2,4,8 $TOK_TOOL
 }
 
 profile() {  # ~2-3 min, once per card

@@ -231,6 +231,42 @@ def roofline(folder: str):
     return [head] + table(["step", "ms", "TFLOP/s", "MFU", "floor ms", "÷ floor"], rows), data["rows"]
 
 
+def fp8(folder: str):
+    """FP8 weights against bf16 in the same run: throughput and KV blocks per workload, decode
+    steps against each one's weight-read floor, and greedy agreement on SmolLM2's chats."""
+    rows, figures = [], {}
+    for workload, label in SCALING_WORKLOADS.items():
+        bf16, fp8_ = (throughput_result(folder, f"fp8-{workload}-{q}") for q in ("bf16", "fp8"))
+        if bf16 is None or fp8_ is None:
+            rows.append([label, "no result", "", "", "", ""])
+            continue
+        rows.append([label, f"{bf16['total_tok_s']:,.0f}", f"{fp8_['total_tok_s']:,.0f}",
+                     f"{fp8_['total_tok_s'] / bf16['total_tok_s']:.3f}",
+                     f"{bf16.get('num_kv_blocks', 0):,}", f"{fp8_.get('num_kv_blocks', 0):,}"])
+        figures[workload] = {"bf16": bf16, "fp8": fp8_}
+    lines = table(["workload", "bf16 tok/s", "fp8 tok/s", "fp8 / bf16", "bf16 KV blocks", "fp8 KV blocks"], rows)
+    steps = {q: load(os.path.join(folder, f"roofline-{q}.json")) for q in ("bf16", "fp8")}
+    if steps["bf16"] and steps["fp8"]:
+        srows = []
+        for name, b in steps["bf16"]["rows"].items():
+            f = steps["fp8"]["rows"][name]
+            floor = lambda r: f"{r['floor_seconds'] * 1e3:.2f}" if "floor_seconds" in r else ""  # noqa: E731
+            ratio = lambda r: f"{r['ratio_to_floor']:.2f}" if "ratio_to_floor" in r else ""  # noqa: E731
+            srows.append([name, f"{b['seconds'] * 1e3:.2f}", f"{f['seconds'] * 1e3:.2f}", floor(b), floor(f),
+                          ratio(b), ratio(f)])
+        lines += [""] + table(["step", "bf16 ms", "fp8 ms", "bf16 floor ms", "fp8 floor ms", "bf16 ÷ floor",
+                               "fp8 ÷ floor"], srows)
+        figures["steps"] = {q: steps[q]["rows"] for q in steps}
+    agree = (load(os.path.join(folder, "agreement.json")) or {}).get("agreement", {})
+    if "fp8" in agree:
+        a = agree["fp8"]
+        lines += ["", f"greedy agreement, fp8 against bf16 (SmolLM2-135M, 64 chats × 64 tokens): same output "
+                      f"{a['same_greedy_fraction']:.0%}, tokens before the first difference "
+                      f"{a.get('mean_common_prefix', float('nan')):.1f} on average"]
+        figures["agreement"] = a
+    return lines, figures
+
+
 def tpsteps(folder: str):
     runs = {name: load(os.path.join(folder, f"{name}.json")) for name in ("tp1", "tp2", "tp2-nccl")}
     if runs["tp1"] is None or runs["tp2"] is None:
@@ -258,8 +294,25 @@ def profile(folder: str):
         {k: data[k] for k in ("cost_model", "relative_error", "suggested_time_budget_s")}
 
 
+def structured(folder: str):
+    """benchmarks/throughput.py's uniform workload plain, with penalties, and with a quarter of
+    the requests under a JSON schema (the grammar probes' tables are in their logs)."""
+    rows, figures = [], {}
+    plain = throughput_result(folder, "structured-plain")
+    for kind, label in (("plain", "plain"), ("penalties", "all with penalties"),
+                        ("json", "a quarter under a JSON schema")):
+        r = throughput_result(folder, f"structured-{kind}")
+        if r is None:
+            rows.append([label, "no result", "", ""])
+            continue
+        ratio = f"{r['total_tok_s'] / plain['total_tok_s']:.3f}" if plain else "-"
+        rows.append([label, f"{r['output_tokens']:,}", f"{r['total_tok_s']:,.0f}", ratio])
+        figures[kind] = r
+    return table(["requests", "output tokens", "total tok/s", "against plain"], rows), figures
+
+
 SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, async_, coldstart, capacity, bubbles,
-                                                  roofline, tpsteps, profile)}
+                                                  roofline, fp8, tpsteps, profile, structured)}
 
 
 def main(argv=None) -> None:

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="every request with presence 0.5, frequency 0.5 and repetition 1.1 penalties")
     p.add_argument("--json-fraction", type=float, default=0.0,
                    help="this fraction of the requests under a JSON schema (structured outputs; they stop where it ends)")
+    p.add_argument("--quantization", default=None, help="fp8: the decoder's projections in FP8, quantized at load")
     p.add_argument("--no-warmup", action="store_true",
                    help="no untimed round first: the first timed round is the first work after start-up")
     args = p.parse_args(argv)
@@ -100,8 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens,
               max_num_seqs=args.max_num_seqs, max_model_len=4096, tensor_parallel_size=args.tp,
-              pipeline_parallel_size=args.pp, **extra)
+              pipeline_parallel_size=args.pp, quantization=args.quantization, **extra)
     start_s = time.perf_counter() - t0
+    num_kv_blocks = llm.engine.executor.num_kv_blocks
     rounds = []
     try:
         if not args.no_warmup:  # one small round first: kernels and allocations that appear only at run time
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
               "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
               "output_tok_s": round(out_tokens / wall, 1), "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1),
               "start_s": round(start_s, 1), "token_feedback": args.token_feedback,
-              "penalties": args.penalties, "json_fraction": args.json_fraction}
+              "penalties": args.penalties, "json_fraction": args.json_fraction,
+              "quantization": args.quantization, "num_kv_blocks": num_kv_blocks}
     if args.rounds > 1 or args.no_warmup:  # each round: total tokens/s and mean TTFT (s; None where not recorded)
         result["rounds"] = [{"total_tok_s": round((prompt_tokens + out_tokens) / w, 1),
                              "mean_ttft_s": None if t is None else round(t, 4)} for w, t in rounds]

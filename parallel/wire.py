@@ -25,7 +25,7 @@ import msgspec
 
 from pipeserve.scheduler.sampling_params import SamplingParams
 
-WIRE_VERSION = 6
+WIRE_VERSION = 7
 """Bumped on every incompatible change of any message below."""
 
 ENGINE_RANK = -1
@@ -42,6 +42,56 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", tag=
     version: int = WIRE_VERSION
 
 
+TokenLogprobs = dict[int, tuple[float, int]]
+"""One position's logprobs, as the engine hands them out: token id -> (logprob, rank) for the
+top-k tokens of the position's distribution in descending order, then the position's own token
+(the one sampled there, or the prompt's next token) if it is not among them. A rank is 1 + the
+number of tokens of the whole vocabulary with a strictly larger logprob."""
+
+
+class LogprobRows(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """The logprobs of several positions as the sampling worker computes them, flat: row i holds
+    its position's ``num_top`` most likely tokens in descending order, then the position's own
+    token, as entries ``i * (num_top + 1) ..`` of ``token_ids``, ``logprobs`` and ``ranks``
+    (``TokenLogprobs`` says what a rank is). Flat lists cost the worker one device-to-host copy
+    per field; the engine builds each request's entries from them (``entry``)."""
+
+    num_top: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+
+    def __post_init__(self) -> None:
+        width = self.num_top + 1
+        if self.num_top < 0 or len(self.token_ids) % width:
+            raise ValueError(f"{len(self.token_ids)} token ids are not rows of num_top + 1 = {width}")
+        if not len(self.token_ids) == len(self.logprobs) == len(self.ranks):
+            raise ValueError("token_ids, logprobs and ranks differ in length")
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.token_ids) // (self.num_top + 1)
+
+    def entry(self, row: int, num_top: int) -> TokenLogprobs:
+        """Row ``row`` as one position's logprobs, with its first ``num_top`` top tokens."""
+        assert 0 <= num_top <= self.num_top, (num_top, self.num_top)
+        start = row * (self.num_top + 1)
+        own = start + self.num_top
+        ids, values, ranks = self.token_ids, self.logprobs, self.ranks
+        out = {ids[j]: (values[j], ranks[j]) for j in range(start, start + num_top)}
+        out.setdefault(ids[own], (values[own], ranks[own]))
+        return out
+
+
+class PromptLogprobs(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One prompt chunk's logprobs: ``rows`` row i scores prompt position ``start + i`` (its
+    own token is the prompt's token there, given the tokens before it)."""
+
+    request_id: str
+    start: int
+    rows: LogprobRows
+
+
 class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     """One request's share of a micro-batch.
 
@@ -51,9 +101,13 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     which stage 0 receives from the last stage (``parallel/feedback.py``). Exactly one of ``block_table`` (full
     table: the workers have not seen this request, or it restarted after preemption) and
     ``block_table_diff`` (blocks appended since the last plan) is set; see ``BlockTableMirror``.
-    ``sampling`` is set where the sequence samples, and on every chunk of a request whose
+    ``sampling`` is set where the sequence samples, on every chunk of a request whose
     penalties count its prompt too (``repetition_penalty``): the sampling worker keeps the
-    tokens of such a request (``runtime/worker/penalties.py``).
+    tokens of such a request (``runtime/worker/penalties.py``), and on the chunks that score
+    prompt tokens. ``prompt_logprob_targets`` (a request with ``sampling.prompt_logprobs``,
+    while its prompt is computed) are the prompt tokens that the chunk's leading rows predict:
+    the token after each row's position, so the last one of a chunk that ends inside the prompt
+    is the next chunk's first.
     """
 
     request_id: str
@@ -66,6 +120,7 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     sampling: SamplingParams | None
     num_output_tokens: int = 0  # so the sampler can hold EOS back until min_tokens
     feed_step: int = -1
+    prompt_logprob_targets: list[int] | None = None
 
     def __post_init__(self) -> None:
         # Raised inside decode() too, where msgspec turns it into a ValidationError.
@@ -81,6 +136,12 @@ class SeqPlan(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
             raise ValueError(f"{self.request_id}: set exactly one of block_table, block_table_diff")
         if self.needs_sample and self.sampling is None:
             raise ValueError(f"{self.request_id}: needs_sample without sampling parameters")
+        if self.prompt_logprob_targets is not None:
+            if self.sampling is None or self.sampling.prompt_logprobs is None:
+                raise ValueError(f"{self.request_id}: prompt_logprob_targets without sampling.prompt_logprobs")
+            if not 0 < len(self.prompt_logprob_targets) <= self.num_scheduled_tokens - fed:
+                raise ValueError(f"{self.request_id}: {len(self.prompt_logprob_targets)} prompt_logprob_targets "
+                                 f"for {self.num_scheduled_tokens} scheduled tokens")
 
 
 class Hello(_Message, frozen=True, kw_only=True):
@@ -118,21 +179,25 @@ class StepPlan(_Message, frozen=True, kw_only=True):
 class StepResult(_Message, frozen=True, kw_only=True):
     """Last stage (TP rank 0) → engine: one sampled token per sampled request of a step.
 
-    ``logprobs[i]`` maps token id → logprob for ``request_ids[i]`` (the sampled token and the
-    top ``SamplingParams.logprobs``); ``None`` when no request asked for logprobs.
+    ``logprobs`` row i is ``request_ids[i]``'s (its own token the sampled one), with the top
+    tokens of the request that asks for most (a request reads its own
+    ``SamplingParams.logprobs`` of them); ``None`` when no request asked for logprobs.
+    ``prompt_logprobs``: those of the step's chunks that score prompt tokens
+    (``SeqPlan.prompt_logprob_targets``), whether or not the chunk samples.
     """
 
     step_id: int
     request_ids: list[str]
     token_ids: list[int]
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: LogprobRows | None = None
+    prompt_logprobs: list[PromptLogprobs] = []
     stage_times: list[float] = []
     error: str | None = None
 
     def __post_init__(self) -> None:
         if len(self.request_ids) != len(self.token_ids):
             raise ValueError(f"step {self.step_id}: request_ids and token_ids differ in length")
-        if self.logprobs is not None and len(self.logprobs) != len(self.request_ids):
+        if self.logprobs is not None and self.logprobs.num_rows != len(self.request_ids):
             raise ValueError(f"step {self.step_id}: logprobs and request_ids differ in length")
 
 
@@ -216,7 +281,9 @@ class RequestUpdate(_Message, frozen=True, kw_only=True):
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: one entry per prompt token, the first None."""
     error: str | None = None
     timings: RequestTimings | None = None
 
@@ -229,7 +296,9 @@ class StreamDelta(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     request_id: str
     token_ids: list[int]
     text: str
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """In a request's first delta only (``RequestUpdate.prompt_logprobs``)."""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None

@@ -107,21 +107,25 @@ class BlockManager:
     # ---- prefix caching ------------------------------------------------------------------------
 
     def cached_prefix(self, request: Request) -> list[int]:
-        """Blocks of the request's longest cached prefix ([] with caching off).
+        """Blocks of the request's longest cached prefix ([] with caching off, or for a request
+        that ``skip_reading_prefix_cache``).
 
         At most ``(num_tokens - 1) // block_size`` blocks: at least one token is left to compute
         (there must be a logit to sample), and a hit never covers the block that token lands in,
         so a request never writes into a block it shares.
         """
-        if self.cache is None:
+        if self.cache is None or request.skip_reading_prefix_cache:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         return self.cache.match(self._block_keys(request, max_blocks))
 
     def prefix_in_progress(self, request: Request, num_cached_blocks: int) -> bool:
         """Is the block after the request's cached prefix being computed by a scheduled chunk of
-        another request? Admitting it now would compute that content twice."""
-        if self.cache is None or (num_cached_blocks + 1) * self.block_size >= request.num_tokens:
+        another request? Admitting it now would compute that content twice (not so for a request
+        that ``skip_reading_prefix_cache``: it computes its prompt whatever is cached)."""
+        if self.cache is None or request.skip_reading_prefix_cache:
+            return False
+        if (num_cached_blocks + 1) * self.block_size >= request.num_tokens:
             return False
         key = self._block_keys(request, num_cached_blocks + 1)[num_cached_blocks]
         return self._pending[key] > 0

@@ -40,6 +40,11 @@ class Request:
     decode may be, taking the newest pending token as input on the device, so up to a few
     tokens can be pending. While any is, ``num_computed_tokens == num_tokens +
     num_pending_tokens - 1``. ``sampling_params`` is opaque here; the engine reads it.
+
+    ``skip_reading_prefix_cache``: the request computes every position of its prompt, never
+    starting from a cached prefix (it still adds its blocks to the cache for others). A request
+    that asks for prompt logprobs needs the logits of every prompt position (vLLM does the
+    same).
     """
 
     __slots__ = (
@@ -57,6 +62,7 @@ class Request:
         "max_output_tokens",
         "num_inflight_chunks",
         "first_scheduled_time",
+        "skip_reading_prefix_cache",
     )
 
     def __init__(
@@ -67,6 +73,7 @@ class Request:
         arrival_time: float = 0.0,
         sampling_params: object = None,
         max_output_tokens: int | None = None,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)  # never changes
@@ -84,6 +91,7 @@ class Request:
         # Scheduled chunks whose results update() has not yet seen (pipeline depth > 1).
         self.num_inflight_chunks = 0
         self.first_scheduled_time: float | None = None
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
 
     @property
     def num_output_tokens(self) -> int:

@@ -95,6 +95,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, array_like=True)
     """Keep generating after the EOS token."""
     logprobs: int | None = None
     """Return the sampled token's logprob plus this many top logprobs per step; None: none."""
+    prompt_logprobs: int | None = None
+    """Return each prompt token's logprob (given the tokens before it) plus this many top
+    logprobs at its position; the first token has none. None: none. Such a request computes its
+    whole prompt: the prefix cache serves none of it."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the detokenized text."""
     include_stop_str_in_output: bool = False
@@ -170,6 +174,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, frozen=True, array_like=True)
         if self.logprobs is not None:
             if not 0 <= _require_int("logprobs", self.logprobs) <= MAX_LOGPROBS:
                 raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            if not 0 <= _require_int("prompt_logprobs", self.prompt_logprobs) <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")

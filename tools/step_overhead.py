@@ -149,7 +149,7 @@ class InstantExecutor:
 
     def submit(self, plan: SchedulerOutput, samples: dict[str, SampleRequest]) -> None:
         self.build(plan)
-        self._done[plan.step_id] = Sampled({rid: self.rng.choice(self.token_ids) for rid in samples}, {})
+        self._done[plan.step_id] = Sampled({rid: self.rng.choice(self.token_ids) for rid in samples}, None, {}, [])
 
     def result(self, plan: SchedulerOutput) -> Sampled:
         return self._done.pop(plan.step_id)

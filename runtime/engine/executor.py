@@ -3,8 +3,9 @@ torchrun ranks. Both drive the same ``Worker`` (runtime/worker/worker.py) with t
 ``StepPlan``s, so input preparation, CUDA graphs, KV sizing and sampling exist once.
 
 The engine loop is the same for both: ``submit(plan)`` up to ``max_in_flight`` plans, then
-``result(plan)`` for the oldest. Only token ids (and optional logprobs) come back. Both say how
-long each pipeline stage has computed so far (``stage_busy_seconds``), for /metrics.
+``result(plan)`` for the oldest. Only token ids (and optional logprobs, of sampled and prompt
+tokens) come back. Both say how long each pipeline stage has computed so far
+(``stage_busy_seconds``), for /metrics.
 """
 
 from __future__ import annotations
@@ -20,7 +21,17 @@ from dataclasses import dataclass
 from pipeserve.parallel.auth import RunKey
 from pipeserve.parallel.torchrun import LOOPBACK
 from pipeserve.parallel.transport import EngineChannel, TransportConfig, TransportError
-from pipeserve.parallel.wire import BlockTableDiffer, SeqPlan, Shutdown, StepPlan, StepResult, WorkerError
+from pipeserve.parallel.wire import (
+    BlockTableDiffer,
+    LogprobRows,
+    PromptLogprobs,
+    SeqPlan,
+    Shutdown,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+    WorkerError,
+)
 from pipeserve.runtime.worker.worker import STAGE_STATS_DIR_ENV, PendingResult, arrived, write_timelines
 from pipeserve.scheduler import SamplingParams, SchedulerOutput
 
@@ -38,15 +49,23 @@ class SampleRequest:
 
 @dataclass(slots=True)
 class Sampled:
+    """A step's result, by request: sampled ids, their logprobs, the prompt chunks' logprobs."""
+
     token_ids: dict[str, int]
-    logprobs: dict[str, dict[int, float]]
+    logprobs: LogprobRows | None
+    rows: dict[str, int]  # request id -> its row of ``logprobs`` (empty without them)
+    prompt_logprobs: list[PromptLogprobs]
 
     @classmethod
     def of(cls, r: StepResult) -> Sampled:
-        logprobs = {}
-        if r.logprobs is not None:
-            logprobs = {rid: lp for rid, lp in zip(r.request_ids, r.logprobs) if lp}
-        return cls(dict(zip(r.request_ids, r.token_ids)), logprobs)
+        rows = {} if r.logprobs is None else {rid: i for i, rid in enumerate(r.request_ids)}
+        return cls(dict(zip(r.request_ids, r.token_ids)), r.logprobs, rows, r.prompt_logprobs)
+
+    def logprobs_of(self, request_id: str, num_top: int) -> TokenLogprobs | None:
+        """The sampled token's logprobs with the top ``num_top`` (None: the step has none)."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs.entry(self.rows[request_id], num_top)
 
 
 class PlanBuilder:
@@ -73,6 +92,7 @@ class PlanBuilder:
             self._differ.forget(s.request_id)
             self._restarts[s.request_id] = s.request.num_preemptions
         full, diff = self._differ.plan_for(s.request_id, s.block_table)
+        targets = _prompt_logprob_targets(s)
         return SeqPlan(
             request_id=s.request_id,
             num_computed_tokens=start,
@@ -81,9 +101,10 @@ class PlanBuilder:
             block_table=full,
             block_table_diff=diff,
             needs_sample=s.needs_sample,
-            sampling=_sampling_of(s, sample),
+            sampling=_sampling_of(s, sample, scores_prompt=targets is not None),
             num_output_tokens=0 if sample is None else sample.num_output_tokens,
             feed_step=s.feed_step,
+            prompt_logprob_targets=targets,
         )
 
     def free(self, request_id: str) -> None:
@@ -93,13 +114,26 @@ class PlanBuilder:
         self._restarts.pop(request_id, None)
 
 
-def _sampling_of(s, sample: SampleRequest | None) -> SamplingParams | None:
-    """A sequence's SamplingParams where it samples, and on every chunk of a request whose
-    repetition penalty counts its prompt too: the sampling worker keeps its tokens."""
+def _prompt_logprob_targets(s) -> list[int] | None:
+    """The prompt tokens a chunk's rows score, for a request that asks for prompt logprobs and
+    has no output yet (one preempted later has them all already): the tokens after the chunk's
+    positions, up to the prompt's end. None where there are none."""
+    request = s.request
+    params = request.sampling_params
+    if params is None or params.prompt_logprobs is None or request.num_output_tokens:
+        return None
+    start, end = s.num_computed_tokens + 1, min(s.context_len + 1, request.num_prompt_tokens)
+    return request.prompt_token_ids[start:end] if start < end else None
+
+
+def _sampling_of(s, sample: SampleRequest | None, *, scores_prompt: bool) -> SamplingParams | None:
+    """A sequence's SamplingParams where it samples, on every chunk of a request whose
+    repetition penalty counts its prompt too (the sampling worker keeps its tokens), and on a
+    chunk that scores prompt tokens (the worker reads ``prompt_logprobs``)."""
     if sample is not None:
         return sample.params
     params = s.request.sampling_params
-    return params if params is not None and params.repetition_penalty != 1.0 else None
+    return params if params is not None and (scores_prompt or params.repetition_penalty != 1.0) else None
 
 
 class InProcessExecutor:

@@ -26,6 +26,7 @@ class LLM:
         model: str | None = None,
         *,
         dtype: str = "auto",
+        quantization: str | None = None,
         load_format: str = "auto",
         device: str = "auto",
         max_num_batched_tokens: int = 512,
@@ -69,6 +70,7 @@ class LLM:
             EngineConfig(
                 model=model,
                 dtype=dtype,
+                quantization=quantization,
                 load_format=load_format,
                 device=device,
                 block_size=block_size,
@@ -147,9 +149,15 @@ class LLM:
             ids[i] = self._add(prompts[i], params[i])
         finished = self._run_to_completion(sum(len(g) for g in ids), use_tqdm)
         outputs = [_merge([finished[rid] for rid in g]) for g in ids]
-        for out, sp in zip(outputs, params):
+        tokenizer = self.engine.tokenizer
+        for out in outputs:
             for c in out.outputs:
-                _as_vllm_logprobs(c, sp.logprobs, self.engine.tokenizer)
+                if c.logprobs is not None:
+                    c.logprobs = [_as_vllm_logprobs(lp, tokenizer) for lp in c.logprobs]
+                    c.cumulative_logprob = sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs))
+            if out.prompt_logprobs is not None:
+                out.prompt_logprobs = [None if lp is None else _as_vllm_logprobs(lp, tokenizer)
+                                       for lp in out.prompt_logprobs]
         return outputs
 
     def _grouping(self, requested: bool | None) -> bool:
@@ -180,12 +188,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> list[str]:
-        """Queues `params.n` sequences (seeds offset per sequence so they differ)."""
+        """Queues `params.n` sequences (seeds offset per sequence so they differ; the prompt's
+        logprobs computed by the first only)."""
         ids = []
         for i in range(params.n):
             sp = params
             if params.n > 1 and params.seed is not None:
                 sp = params.clone(seed=(params.seed + i) % 2**64)
+            if i > 0 and params.prompt_logprobs is not None:
+                sp = sp.clone(prompt_logprobs=None)
             rid = self.engine.new_request_id()
             # Only finished outputs are read: the engine need not build one per token.
             self.engine.add_request(rid, prompt, sp, output_kind=RequestOutputKind.FINAL_ONLY)
@@ -225,20 +236,11 @@ def _prefix_order(checked, params: list[SamplingParams], *, block_size: int) -> 
     return schedule_order(group_by_prefix(prompt_ids, decode_tokens, block_size=block_size))
 
 
-def _as_vllm_logprobs(c: CompletionOutput, k: int | None, tokenizer) -> None:
-    """vLLM's offline logprobs: a ``Logprob`` (ranked, decoded) per entry, and the sampled
-    tokens' sum as ``cumulative_logprob``. An entry holds the top ``k`` and the sampled token
-    (``k + 1`` entries when it is not among them: then its rank is unknown)."""
-    if c.logprobs is None or k is None:
-        return
-    ranked = []
-    for token, lp in zip(c.token_ids, c.logprobs):
-        order = sorted(lp, key=lambda t: -lp[t])
-        ranks = {t: r for r, t in enumerate(order[:k], start=1)}
-        ranked.append({t: Logprob(v, ranks.get(t), tokenizer.token_text(t, skip_special_tokens=False))
-                       for t, v in lp.items()})
-    c.logprobs = ranked
-    c.cumulative_logprob = sum(lp[t] for t, lp in zip(c.token_ids, ranked))
+def _as_vllm_logprobs(entry: dict[int, tuple[float, int]], tokenizer) -> dict[int, Logprob]:
+    """One position's logprobs as vLLM's offline API gives them: a ``Logprob`` (with its rank
+    and decoded text) per token."""
+    return {t: Logprob(v, rank, tokenizer.token_text(t, skip_special_tokens=False))
+            for t, (v, rank) in entry.items()}
 
 
 def _merge(outputs: list[RequestOutput]) -> RequestOutput:
@@ -256,6 +258,7 @@ def _merge(outputs: list[RequestOutput]) -> RequestOutput:
         outputs=completions,
         finished=True,
         metrics=first.metrics,
+        prompt_logprobs=first.prompt_logprobs,
     )
 
 

@@ -18,11 +18,13 @@ import torch
 from pipeserve.parallel.context import ParallelContext
 from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.tp_layers import check_reduction_layout
+from pipeserve.parallel.wire import PromptLogprobs, TokenLogprobs
 from pipeserve.runtime.config import EngineConfig, engine_config_to_dict
 from pipeserve.runtime.engine import spmd
 from pipeserve.runtime.engine.executor import (
     DistributedExecutor,
     InProcessExecutor,
+    Sampled,
     SampleRequest,
     WorkerFailure,
     launch_torchrun,
@@ -34,7 +36,7 @@ from pipeserve.runtime.model.tokenizer import IncrementalDetokenizer
 from pipeserve.runtime.worker.grammar import GrammarCompiler
 from pipeserve.runtime.worker.worker import Worker
 from pipeserve.scheduler import (
-    CostModel, Request, RequestStatus, SamplingParams, Scheduler, SchedulerLimits, SchedulerOutput,
+    CostModel, Request, RequestStatus, SamplingParams, Scheduler, SchedulerLimits, SchedulerOutput, SlidingLayers,
 )
 
 _FINISH_STATUS = {
@@ -56,7 +58,8 @@ class _RequestState:
     metrics: RequestMetrics
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     text: str = ""
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -126,7 +129,8 @@ class LLMEngine:
             device=device, dtype=dtype, max_model_len=max_model_len, num_kv_blocks=num_blocks,
             eos_token_ids=eos,
         )
-        limits = SchedulerLimits(max_model_len=max_model_len, feedback_distance=par.feedback_distance)
+        limits = SchedulerLimits(max_model_len=max_model_len, feedback_distance=par.feedback_distance,
+                                 sliding_layers=SlidingLayers.of(model_config.layer_windows))
         try:
             self.scheduler = Scheduler(config.scheduler, limits=limits, num_blocks=num_blocks,
                                        block_size=config.block_size, cost_model=_cost_model(config.scheduler, device))
@@ -187,8 +191,10 @@ class LLMEngine:
         text, ids, max_tokens = self.validate(prompt, params)
         params = resolve_bad_words(params, self.tokenizer, vocab_size=self.model_config.vocab_size)
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        # Prompt logprobs need every prompt position's logits: no prefix-cache hit may skip one.
         self.scheduler.add_request(
-            Request(request_id, ids, arrival_time=arrival, sampling_params=params, max_output_tokens=max_tokens)
+            Request(request_id, ids, arrival_time=arrival, sampling_params=params, max_output_tokens=max_tokens,
+                    skip_reading_prefix_cache=params.prompt_logprobs is not None)
         )
         self._requests[request_id] = _RequestState(
             prompt=text,
@@ -199,6 +205,7 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival),
             output_kind=output_kind,
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
         )
         self._unscheduled.add(request_id)
 
@@ -234,10 +241,25 @@ class LLMEngine:
             raise
         if self.step_done_times is not None:
             self.step_done_times[plan.step_id] = time.monotonic()
+        for chunk in sampled.prompt_logprobs:
+            self._take_prompt_logprobs(chunk)
         updated = self.scheduler.update(plan, sampled.token_ids)
         now = time.monotonic()  # every token of this step arrived at once
-        outputs = (self._postprocess(req, sampled.logprobs.get(req.request_id), now) for req in updated)
+        outputs = (self._postprocess(req, sampled, now) for req in updated)
         return [out for out in outputs if out is not None]
+
+    def _take_prompt_logprobs(self, chunk: PromptLogprobs) -> None:
+        """Appends a prompt chunk's positions to its request's prompt logprobs. Results come in
+        step order, so positions arrive in order; a prompt recomputed after a preemption sends
+        the positions held already again, which are skipped."""
+        st = self._requests.get(chunk.request_id)
+        if st is None or st.prompt_logprobs is None:  # finished (aborted) since
+            return
+        held = st.prompt_logprobs
+        assert chunk.start <= len(held), (chunk.request_id, chunk.start, len(held))
+        num_top = st.params.prompt_logprobs
+        first_new = len(held) - chunk.start
+        held += [chunk.rows.entry(row, num_top) for row in range(first_new, chunk.rows.num_rows)]
 
     def _fill_pipeline(self) -> None:
         while len(self._in_flight) < self.executor.max_in_flight:
@@ -271,7 +293,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = now
                 metrics.num_cached_tokens = s.num_computed_tokens  # the prefix-cache hit it starts from
 
-    def _postprocess(self, req: Request, logprobs: dict[int, float] | None, now: float) -> RequestOutput | None:
+    def _postprocess(self, req: Request, sampled: Sampled, now: float) -> RequestOutput | None:
         """Takes the request's new token; its output, or None while a FINAL_ONLY one runs."""
         state = self._requests[req.request_id]
         token = req.output_token_ids[-1]
@@ -280,8 +302,8 @@ class LLMEngine:
             metrics.first_token_time = now
         metrics.token_times.append(now)
         state.output_token_ids.append(token)
-        if state.logprobs is not None and logprobs is not None:
-            state.logprobs.append(logprobs)
+        if state.logprobs is not None:
+            state.logprobs.append(sampled.logprobs_of(req.request_id, state.params.logprobs))
         delta = state.detokenizer.step(token)
         reason, stop_reason, text = check_stop(
             output_token_ids=state.output_token_ids,
@@ -314,7 +336,8 @@ class LLMEngine:
         # objects, built for every request on every step.
         completion = CompletionOutput(0, st.text, token_ids, st.finish_reason, logprobs, st.stop_reason)
         return RequestOutput(
-            request_id, st.prompt, st.prompt_token_ids, [completion], finished, st.metrics, st.error
+            request_id, st.prompt, st.prompt_token_ids, [completion], finished, st.metrics, st.error,
+            st.prompt_logprobs,
         )
 
     def take_aborted(self, request_id: str) -> RequestOutput:

@@ -17,10 +17,12 @@ class RequestOutputKind(enum.Enum):
 
 
 class Logprob(float):
-    """vLLM's ``Logprob``: ``.logprob``, ``.rank`` (1 = the most likely token; None for a sampled
-    token outside the top ``logprobs`` returned, whose rank is not computed) and
-    ``.decoded_token``. It is also the float it holds, so code written for plain logprobs keeps
-    working."""
+    """vLLM's ``Logprob``: ``.logprob`` (of the raw model distribution: the log-softmax of the
+    logits before any sampling setting), ``.rank`` and ``.decoded_token``. The rank is 1 + the
+    number of tokens of the whole vocabulary with a strictly larger logprob (1: the most likely
+    token; tied tokens share a rank), for every token returned: the top ones, and the sampled
+    or prompt token wherever it falls. It is also the float it holds, so code written for plain
+    logprobs keeps working."""
 
     __slots__ = ("rank", "decoded_token")
 
@@ -50,7 +52,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error" or None while running
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob} (Logprob offline)
+    logprobs: list[dict] | None = None  # per token: {token id: (logprob, rank)} (TokenLogprobs; offline Logprob)
     stop_reason: int | str | None = None  # the stop string or token id that ended it, if any
     cumulative_logprob: float | None = None  # offline, with logprobs: the sum of the sampled tokens'
 
@@ -81,3 +83,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     error: str | None = None
+    prompt_logprobs: list[dict | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: per prompt token its logprobs (as
+    ``CompletionOutput.logprobs``: the token's own and the top ones at its position), None for
+    the first token, which has no context."""

@@ -45,6 +45,7 @@ from starlette.requests import ClientDisconnect
 
 import pipeserve
 from pipeserve.parallel.transport import ALL_INTERFACES
+from pipeserve.parallel.wire import TokenLogprobs
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine.llm_engine import validate_request
 from pipeserve.runtime.serving.frontend import AsyncEngineClient, Delta, EngineProcess
@@ -316,8 +317,8 @@ class OpenAIServing:
 
     async def collect(self, job: _Job, request: Request) -> list[dict]:
         """Waits for every sequence of a non-streaming request, or raises ClientGone."""
-        outs = [dict(token_ids=[], text="", logprobs=[], finish_reason=None, stop_reason=None, num_cached_tokens=0)
-                for _ in job.request_ids]
+        outs = [dict(token_ids=[], text="", logprobs=[], prompt_logprobs=None, finish_reason=None, stop_reason=None,
+                     num_cached_tokens=0) for _ in job.request_ids]
 
         async def gather() -> None:
             remaining = len(outs)
@@ -329,6 +330,8 @@ class OpenAIServing:
                 o["token_ids"] += d.token_ids
                 o["text"] += d.text
                 o["logprobs"] += d.logprobs or []
+                if d.prompt_logprobs is not None:
+                    o["prompt_logprobs"] = d.prompt_logprobs
                 if d.finish_reason is not None:
                     o["finish_reason"], o["stop_reason"] = d.finish_reason, d.stop_reason
                     o["num_cached_tokens"] = d.timings.num_cached_tokens if d.timings is not None else 0
@@ -343,10 +346,13 @@ class OpenAIServing:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _top(self, lps: dict[int, float], k: int) -> list[tuple[int, float]]:
-        return sorted(lps.items(), key=lambda kv: -kv[1])[:k]
+    def _top(self, lps: TokenLogprobs, k: int) -> list[tuple[int, float]]:
+        return [(i, v) for i, (v, _) in sorted(lps.items(), key=lambda kv: -kv[1][0])[:k]]
 
-    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict], k: int, offset: int) -> dict:
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs | None], k: int,
+                            offset: int) -> dict:
+        """OpenAI's completion logprobs; an entry None (an echoed prompt's first token, which has
+        no context) has null logprobs."""
         tokens = [self.token_text(t) for t in token_ids]
         offsets, pos = [], offset
         for t in tokens:
@@ -354,20 +360,30 @@ class OpenAIServing:
             pos += len(t)
         return {
             "tokens": tokens,
-            "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-            "top_logprobs": [{self.token_text(i): v for i, v in self._top(lp, k)} for lp in logprobs],
+            "token_logprobs": [None if lp is None else lp[t][0] for t, lp in zip(token_ids, logprobs)],
+            "top_logprobs": [None if lp is None else {self.token_text(i): v for i, v in self._top(lp, k)}
+                             for lp in logprobs],
             "text_offset": offsets,
         }
 
-    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict], k: int) -> dict:
-        def entry(i: int, v: float | None) -> dict:
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[TokenLogprobs], k: int) -> dict:
+        def entry(i: int, v: float) -> dict:
             s = self.token_text(i)
             return {"token": s, "logprob": v, "bytes": list(s.encode("utf-8"))}
 
         return {"content": [
-            {**entry(t, lp.get(t)), "top_logprobs": [entry(i, v) for i, v in self._top(lp, k)]}
+            {**entry(t, lp[t][0]), "top_logprobs": [entry(i, v) for i, v in self._top(lp, k)]}
             for t, lp in zip(token_ids, logprobs)
         ]}
+
+    def prompt_logprobs(self, entries: list[TokenLogprobs | None] | None) -> list[dict | None] | None:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {"logprob",
+        "rank", "decoded_token"}}, the token's own and the top ones at its position."""
+        if entries is None:
+            return None
+        return [None if lp is None else
+                {t: {"logprob": v, "rank": rank, "decoded_token": self.token_text(t)} for t, (v, rank) in lp.items()}
+                for lp in entries]
 
     def usage(self, job: _Job, num_completion_tokens: int, num_cached_tokens: list[int]) -> dict:
         """OpenAI's usage; ``prompt_tokens_details.cached_tokens`` counts each prompt's tokens the
@@ -446,16 +462,18 @@ async def completions(request: Request, s: OpenAIServing) -> Response:
                                     logprobs=req.logprobs))
     prompts = [s.checked_prompt(_truncated(s.encode(p) if isinstance(p, str) else p, req.truncate_prompt_tokens),
                                 params, "prompt") for p in req.prompts()]
-    echo = None
+    echo = echo_ids = None
     if req.echo:  # each choice's text begins with its prompt (the text given, or the ids' text)
         echo = [p if isinstance(p, str) and req.truncate_prompt_tokens is None else
                 s.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
                 for p, ids in zip(req.prompts(), prompts) for _ in range(params.n)]
+        if req.logprobs is not None:  # and its logprobs begin with its prompt's
+            echo_ids = [ids for ids in prompts for _ in range(params.n)]
     s.admit(len(prompts) * params.n)
     job = s.submit(f"cmpl-{request_id(request)}", prompts, params, stream=req.stream)
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return _JobStream(_completion_events(s, job, include_usage, echo), s, job)
+        return _JobStream(_completion_events(s, job, include_usage, echo, echo_ids), s, job)
     try:
         outs = await s.collect(job, request)
     except ClientGone:
@@ -465,7 +483,8 @@ async def completions(request: Request, s: OpenAIServing) -> Response:
     choices = [{
         "index": i, "text": (echo[i] if echo else "") + o["text"], "finish_reason": o["finish_reason"],
         "stop_reason": o["stop_reason"], "logprobs": None if job.num_logprobs is None else
-        s.completion_logprobs(o["token_ids"], o["logprobs"], job.num_logprobs, 0),
+        s.completion_logprobs(*_echoed(o, None if echo_ids is None else echo_ids[i]), job.num_logprobs, 0),
+        "prompt_logprobs": s.prompt_logprobs(o["prompt_logprobs"]),
     } for i, o in enumerate(outs)]
     return JSONResponse({
         "id": job.response_id, "object": "text_completion", "created": job.created, "model": s.model_name,
@@ -474,7 +493,17 @@ async def completions(request: Request, s: OpenAIServing) -> Response:
     })
 
 
-async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool, echo: list[str] | None):
+def _echoed(o: dict, prompt_ids: list[int] | None) -> tuple[list[int], list]:
+    """A choice's token ids and logprobs, after its prompt's where echoed (``prompt_ids``)."""
+    if prompt_ids is None:
+        return o["token_ids"], o["logprobs"]
+    return prompt_ids + o["token_ids"], o["prompt_logprobs"] + o["logprobs"]
+
+
+async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool, echo: list[str] | None,
+                             echo_ids: list[list[int]] | None):
+    """``echo``: each choice's prompt text, sent with its first chunk; ``echo_ids`` (with
+    logprobs): its prompt's ids, whose logprobs go with that chunk too."""
     remaining, num_tokens = len(job.request_ids), 0
     offsets = [0] * len(job.request_ids)
     cached = [0] * len(job.request_ids)
@@ -488,14 +517,16 @@ async def _completion_events(s: OpenAIServing, job: _Job, include_usage: bool, e
         remaining -= d.finish_reason is not None
         if d.timings is not None:
             cached[d.index] = d.timings.num_cached_tokens
-        text = d.text
+        text, token_ids, token_logprobs = d.text, d.token_ids, d.logprobs or []
         if echo and echo[d.index] is not None:  # the prompt goes out with the choice's first chunk
             text, echo[d.index] = echo[d.index] + text, None
+            if echo_ids is not None:
+                token_ids, token_logprobs = echo_ids[d.index] + token_ids, d.prompt_logprobs + token_logprobs
         if not text and d.finish_reason is None and job.num_logprobs is None:
             continue  # tokens whose text is held back (incomplete character, possible stop string)
         logprobs = None
         if job.num_logprobs is not None:
-            logprobs = s.completion_logprobs(d.token_ids, d.logprobs or [], job.num_logprobs, offsets[d.index])
+            logprobs = s.completion_logprobs(token_ids, token_logprobs, job.num_logprobs, offsets[d.index])
         offsets[d.index] += len(text)
         choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason,
                   "stop_reason": d.stop_reason}
@@ -564,6 +595,7 @@ async def chat_completions(request: Request, s: OpenAIServing) -> Response:
         "id": job.response_id, "object": "chat.completion", "created": job.created, "model": s.model_name,
         "choices": choices, "usage": s.usage(job, sum(len(o["token_ids"]) for o in outs),
                                              [o["num_cached_tokens"] for o in outs]),
+        "prompt_logprobs": s.prompt_logprobs(outs[0]["prompt_logprobs"]),
     })
 
 

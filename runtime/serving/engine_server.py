@@ -56,7 +56,7 @@ def update_of(out: RequestOutput) -> RequestUpdate:
     c = out.outputs[0]
     return RequestUpdate(
         request_id=out.request_id, token_ids=c.token_ids, text=c.text, finish_reason=c.finish_reason,
-        stop_reason=c.stop_reason, logprobs=c.logprobs, error=out.error,
+        stop_reason=c.stop_reason, logprobs=c.logprobs, prompt_logprobs=out.prompt_logprobs, error=out.error,
         timings=timings_of(out) if out.finished else None,
     )
 
@@ -94,9 +94,11 @@ class _Stream:
         if not out.finished and not new_ids and not text:
             return None
         logprobs = None if c.logprobs is None else c.logprobs[self.num_tokens:]
+        prompt_logprobs = out.prompt_logprobs if self.num_tokens == 0 else None  # with the first delta
         self.num_tokens, self.text_len = len(c.token_ids), max(self.text_len, end)
         return StreamDelta(
             request_id=out.request_id, token_ids=new_ids, text=text, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             finish_reason=c.finish_reason, stop_reason=c.stop_reason, error=out.error,
             timings=timings_of(out) if out.finished else None,
         )

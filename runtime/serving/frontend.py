@@ -40,6 +40,7 @@ from pipeserve.parallel.wire import (
     RequestUpdate,
     Shutdown,
     StreamUpdates,
+    TokenLogprobs,
     WireError,
     decode_frontend,
     encode,
@@ -55,7 +56,8 @@ class Delta:
     index: int
     token_ids: list[int]
     text: str
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # in a sequence's first delta
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     error: str | None = None
@@ -240,8 +242,8 @@ class AsyncEngineClient:
             del self._routes[request_id]
         sink, index = route
         delta = Delta(index=index, token_ids=list(u.token_ids), text=u.text, logprobs=u.logprobs,
-                      finish_reason=u.finish_reason, stop_reason=u.stop_reason, error=u.error,
-                      timings=u.timings)
+                      prompt_logprobs=u.prompt_logprobs, finish_reason=u.finish_reason, stop_reason=u.stop_reason,
+                      error=u.error, timings=u.timings)
         if self.on_delta is not None:
             self.on_delta(delta)
         sink.put_nowait(delta)

@@ -102,6 +102,9 @@ class _SamplingRequest(_Strict):
     detokenizer joins token texts as they are, so special tokens are never spaced apart."""
     truncate_prompt_tokens: int | None = None
     """Keep only the last k tokens of each prompt (k >= 1), as vLLM does."""
+    prompt_logprobs: int | None = None
+    """vLLM's: return each prompt token's logprob and this many top alternatives at its
+    position (``prompt_logprobs`` in the response; not with ``stream``)."""
     # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and their newer
     # structured_outputs object; at most one constraint per request.
     response_format: ResponseFormat | None = None
@@ -120,6 +123,8 @@ class _SamplingRequest(_Strict):
                            param="truncate_prompt_tokens")
         if self.stream_options is not None and not self.stream:
             raise ApiError(400, "stream_options is only allowed with stream: true", param="stream_options")
+        if self.stream and self.prompt_logprobs:  # (vLLM accepts a streamed 0)
+            raise ApiError(400, "prompt_logprobs are not available with stream: true", param="prompt_logprobs")
 
     def sampling_fields(self) -> dict[str, Any]:
         """SamplingParams keyword arguments (OpenAI's defaults where a field is absent)."""
@@ -127,7 +132,7 @@ class _SamplingRequest(_Strict):
                       top_p=1.0 if self.top_p is None else self.top_p, seed=self.seed, stop=self.stop)
         for name in ("top_k", "min_p", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
                      "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "allowed_token_ids", "bad_words"):
+                     "allowed_token_ids", "bad_words", "prompt_logprobs"):
             if (value := getattr(self, name)) is not None:
                 fields[name] = value
         if self.logit_bias is not None:
@@ -168,21 +173,27 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
     echo: bool = False
-    """Prepend each prompt's text to its choices' text."""
+    """Prepend each prompt's text to its choices' text (and with ``logprobs``, the prompt's
+    tokens to the choices' logprobs)."""
     suffix: str | None = None
     best_of: int | None = None
     """Accepted when null or equal to n: extra candidates to rank are not generated (nor by vLLM's engine)."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo and self.logprobs is not None:
-            raise ApiError(400, "echo with logprobs is not supported (the prompt's logprobs are not computed)",
-                           param="echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ApiError(400, f"best_of is not supported: it must be null or equal to n ({self.n}), "
                            f"got {self.best_of}", param="best_of")
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """With ``echo`` and ``logprobs``, the prompt's logprobs are computed too (as vLLM:
+        ``prompt_logprobs`` when given, else ``logprobs`` of them)."""
+        fields = super().sampling_fields()
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            fields["prompt_logprobs"] = self.logprobs
+        return fields
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts of a batch, each a string or token ids."""

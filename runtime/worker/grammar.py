@@ -1,5 +1,7 @@
 """Structured outputs (guided decoding) with xgrammar: a request's JSON schema, regex, choice or
-EBNF grammar becomes a token mask each step.
+EBNF grammar becomes a token mask each step. xgrammar rather than outlines-core, which expresses
+regular languages only (no json_object, no EBNF), compiles schemas 9-150x slower and costs more
+per token on average (``tools/grammar_overhead.py``; BENCHMARKS.md, "Grammar library").
 
 The engine compiles a request's constraint when it adds the request (``GrammarCompiler.compile``:
 a bad schema, regex or grammar is a ValueError there, before anything is scheduled). The spec
@@ -8,13 +10,14 @@ through the same cache (keyed by the spec; one compiler per process, so an in-pr
 reuses the engine's result, and a distributed driver compiles each distinct spec once).
 
 The driver keeps one ``GrammarMatcher`` per constrained request (``GrammarState``). Each step,
-on the host, it fills the token bitmask of the constrained rows (``bitmask``) and the sampler
-applies it to the whole batch on the logits' device at once (``apply_token_bitmask``); the
-sampled ids are copied to the host behind the sampler (``accept_later``) and each matcher
-accepts its row's token when the next mask is filled. The host fills a step's bitmask after that
-step's forward was launched: on an accelerator the fill, and the wait for the previous step's
-ids it needs first, overlap that forward, so a step with constrained rows keeps the engine's
-asynchronous schedule. Matchers are advanced by the worker that sampled the tokens, so a
+on the host, it fills one bitmask row per constrained row of the batch, all rows in one call to
+xgrammar, and copies them to the device (``bitmask``); the sampler applies them there
+(``apply_token_bitmask``); the whole batch's sampled ids are copied to the host behind the
+sampler (``accept_later``) and each matcher accepts its row's token when the next mask is
+filled. The host fills a step's bitmask after that step's forward was launched: on an
+accelerator the fill, and the wait for the previous step's ids it needs first, overlap that
+forward, and nothing in between waits for the device, so a step with constrained rows keeps the
+engine's asynchronous schedule. Matchers are advanced by the worker that sampled the tokens, so a
 decode planned before its input reached the engine (pipelining, token feedback) still finds its
 matcher up to date. A preempted request recomputes its output as prompt and samples again from
 output number ``num_output_tokens``: a matcher that accepted more tokens than that is reset and
@@ -23,6 +26,7 @@ re-advanced over the kept ones.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import re
@@ -35,8 +39,14 @@ import torch
 import xgrammar as xgr
 
 from pipeserve.parallel.wire import SeqPlan, StepPlan
+from pipeserve.runtime.worker.batch import host_to_device
 from pipeserve.scheduler.sampling_params import StructuredOutputsParams
 
+FILL_THREADS = 1
+"""xgrammar's threads for one step's masks. One: a row takes a few µs to fill on SmolLM2's and
+GPT-2's vocabularies (up to a hundred on a 128k one), and on the 2-core CI machine a second
+thread made 64 rows of 256 slower (0.9 -> 2.0 ms, ``python -m tools.grammar_steps batch
+--threads 1,2``)."""
 _ERROR_PREFIX = re.compile(r"^\[[^\]]*\] [^ ]*: (Check failed: \(.*\) is false: )?")
 
 
@@ -99,6 +109,20 @@ def _choice_grammar(choices_json: str) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(choices_json))
 
 
+@dataclass(frozen=True, slots=True)
+class TokenBitmask:
+    """One step's structured-output masks: a row of bits for each constrained row of the batch."""
+
+    rows: list[int]
+    """The constrained rows of the batch, ascending."""
+    index: torch.Tensor
+    """[K] int64 on the logits' device: ``rows``."""
+    bits: torch.Tensor
+    """[K, ceil(V / 32)] int32 on the logits' device: bit t of row k set where batch row
+    ``rows[k]`` may sample token t (only EOS where the constraint is complete and accepted
+    EOS already)."""
+
+
 @dataclass(slots=True)
 class _Matched:
     matcher: xgr.GrammarMatcher
@@ -109,11 +133,19 @@ class GrammarState:
     """The driver's matchers, one per constrained request; a request is dropped when a plan
     frees it."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
+    def __init__(self, compiler: GrammarCompiler, device: torch.device) -> None:
+        """``device``: the logits' (masks go there; on CUDA they are filled in pinned memory)."""
         self.compiler = compiler
+        self.device = device
         self._matched: dict[str, _Matched] = {}
-        # Sampled ids on their way to the host, oldest first: (request ids, [n] ids, CUDA event).
-        self._pending: deque[tuple[list[str], torch.Tensor, torch.cuda.Event | None]] = deque()
+        self._filler = xgr.BatchGrammarMatcher(FILL_THREADS)
+        self._width = xgr.get_bitmask_shape(1, compiler.vocab_size)[1]
+        self._eos_only = torch.zeros(self._width, dtype=torch.int32)
+        for t in compiler.stop_token_ids:
+            self._eos_only[t // 32] |= _bit(t)
+        # The batches' sampled ids on their way to the host, oldest first:
+        # (request ids, their rows, [N] ids, CUDA event).
+        self._pending: deque[tuple[list[str], list[int], torch.Tensor, torch.cuda.Event | None]] = deque()
 
     def __len__(self) -> int:
         return len(self._matched)
@@ -122,24 +154,23 @@ class GrammarState:
         for rid in plan.freed:
             self._matched.pop(rid, None)
 
-    def bitmask(self, seqs: Sequence[SeqPlan]) -> torch.Tensor | None:
-        """[N, ceil(V / 32)] int32 on the host, bit t of row i set where row i may sample token
-        t (every bit in unconstrained rows; only EOS where the constraint is complete and
-        accepted EOS already); None when no row is constrained."""
+    def bitmask(self, seqs: Sequence[SeqPlan]) -> TokenBitmask | None:
+        """The constrained rows' masks on ``device`` (copied there without waiting for the
+        device); None when no row is constrained."""
         rows = [i for i, s in enumerate(seqs) if s.sampling.structured_outputs is not None]
         if not rows:
             return None
         self._accept_arrived()
-        mask = xgr.allocate_token_bitmask(len(seqs), self.compiler.vocab_size)  # all bits set
-        for i in rows:
-            state = self._state_of(seqs[i])
-            if state.matcher.is_terminated():  # a step planned before the EOS reached the engine
-                mask[i] = 0
-                for t in self.compiler.stop_token_ids:
-                    mask[i, t // 32] |= _bit(t)
-            else:
-                state.matcher.fill_next_token_bitmask(mask, i)
-        return mask
+        matchers = [self._state_of(seqs[i]).matcher for i in rows]
+        bits = torch.empty(len(rows), self._width, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        live = [k for k, m in enumerate(matchers) if not m.is_terminated()]
+        if len(live) < len(rows):  # steps planned before the EOS reached the engine
+            bits[:] = self._eos_only
+        if live:
+            self._filler.batch_fill_next_token_bitmask([matchers[k] for k in live], bits,
+                                                       None if len(live) == len(rows) else live)
+        return TokenBitmask(rows=rows, index=host_to_device(rows, torch.int64, self.device),
+                            bits=host_to_device(bits, torch.int32, self.device))
 
     def accept(self, seqs: Sequence[SeqPlan], token_ids: torch.Tensor) -> None:
         """Advances each constrained row's matcher by its sampled token (``token_ids``: [N])."""
@@ -148,34 +179,36 @@ class GrammarState:
 
     def accept_later(self, seqs: Sequence[SeqPlan], token_ids: torch.Tensor) -> None:
         """Notes the constrained rows' sampled tokens (``token_ids``: [N] on the sampling
-        device) without waiting for them: on CUDA they are copied to pinned memory behind the
-        sampler, and the matchers take them when the next mask is filled (``bitmask``). That
-        next step's forward is queued by then, so the host waits for this step's ids while the
-        device computes the next one, and the engine's asynchronous schedule (token feedback)
-        holds with constrained rows too."""
+        device) without waiting for them: on CUDA the whole batch's ids are copied to pinned
+        memory behind the sampler (no index to build on the device: a copy of one from the
+        host would wait for the stream), and the matchers take them when the next mask is
+        filled (``bitmask``). That next step's forward is queued by then, so the host waits for
+        this step's ids while the device computes the next one, and the engine's asynchronous
+        schedule (token feedback) holds with constrained rows too."""
         rows = [i for i, s in enumerate(seqs) if s.sampling.structured_outputs is not None]
         if not rows:
             return
-        chosen = token_ids.index_select(0, torch.tensor(rows, device=token_ids.device))
         event = None
-        if chosen.is_cuda:
-            host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-            host.copy_(chosen, non_blocking=True)
+        if token_ids.is_cuda:
+            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host.copy_(token_ids, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            chosen = host
-        self._pending.append(([seqs[i].request_id for i in rows], chosen, event))
+            token_ids = host
+        self._pending.append(([seqs[i].request_id for i in rows], rows, token_ids, event))
 
     def _accept_arrived(self) -> None:
         """Advances the matchers by every noted step's tokens, in step order."""
         while self._pending:
-            request_ids, tokens, event = self._pending.popleft()
+            request_ids, rows, tokens, event = self._pending.popleft()
             if event is not None:
                 event.synchronize()
-            for rid, token in zip(request_ids, tokens.tolist()):
+            tokens = tokens.tolist()
+            for rid, row in zip(request_ids, rows):
                 state = self._matched.get(rid)
                 if state is None or state.matcher.is_terminated():  # (freed since, or past its end)
                     continue
+                token = tokens[row]
                 accepted = state.matcher.accept_token(token)
                 assert accepted, f"{rid}: sampled token {token} that the grammar rejects"
                 state.accepted.append(token)
@@ -203,12 +236,23 @@ def _bit(token: int) -> int:
     return int(np.int32(np.uint32(1 << (token % 32)).view(np.int32)))
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of ``logits`` with -inf where the row's bit is clear, by xgrammar's own kernel on
-    the logits' device (its CPU one took 19 ms for 32 rows of 49,152 against 76 ms for the same
-    mask unpacked with torch ops, on this project's 2-core CI machine; a copy, so logprobs stay
-    the raw logits')."""
-    # logits: [n, V]; bitmask: [n, W] int32 on the logits' device, W = ceil(V / 32)
+def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask, rows: slice) -> torch.Tensor:
+    """``logits``, rows ``rows`` of the step's batch, with -inf where a constrained row's bit is
+    clear: a copy (logprobs stay the raw logits') where some row of them is constrained, else
+    ``logits`` itself. By xgrammar's kernel on the logits' device, over the slice's rows, the
+    unconstrained ones given every bit on the device (its CPU kernel took 19 ms for 32 rows of
+    49,152 against 76 ms for the same mask unpacked with torch ops, and a full-width mask
+    0.2 ms less than masking the constrained rows apart, on this project's 2-core CI machine)."""
+    # logits: [n, V]; bitmask.bits: [K, W] int32, W = ceil(V / 32)
+    first, end = bisect.bisect_left(bitmask.rows, rows.start), bisect.bisect_left(bitmask.rows, rows.stop)
+    if first == end:
+        return logits
+    bits = bitmask.bits[first:end]
+    if end - first < logits.shape[0]:
+        index = bitmask.index[first:end]
+        if rows.start:
+            index = index - rows.start
+        bits = bits.new_full((logits.shape[0], bits.shape[1]), -1).index_copy_(0, index, bits)  # [n, W]
     out = logits.clone()
-    xgr.apply_token_bitmask_inplace(out, bitmask)
+    xgr.apply_token_bitmask_inplace(out, bits)
     return out

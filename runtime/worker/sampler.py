@@ -7,9 +7,10 @@ repetition/frequency/presence penalties), then the min_tokens mask; rows that as
 nothing there.
 
 The batch is processed on the logits' device, with a few host->device copies of the per-row
-settings and one device->host copy of the chosen ids (plus one of the logprobs when a row asks
-for them). On the CPU it goes in chunks of rows whose working buffers stay in cache; elsewhere
-in one piece. Greedy rows take the argmax of the raw logits; the others are filtered and sampled.
+settings and one device->host copy of the chosen ids (plus three of the logprobs when a row asks
+for them: ``compute_logprobs``, which the prompt's logprobs use too). On the CPU it goes in
+chunks of rows whose working buffers stay in cache; elsewhere in one piece. Greedy rows take
+the argmax of the raw logits; the others are filtered and sampled.
 
 Every filter keeps the tokens whose logit is at or above some value, so the filters of a row
 combine into one threshold. Top-k and top-p find theirs among the row's largest logits
@@ -37,8 +38,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pipeserve.parallel.wire import LogprobRows
 from pipeserve.runtime.worker.batch import host_to_device
-from pipeserve.runtime.worker.grammar import apply_token_bitmask
+from pipeserve.runtime.worker.grammar import TokenBitmask, apply_token_bitmask
 from pipeserve.runtime.worker.penalties import HistoryRows, process_logits
 from pipeserve.scheduler.sampling_params import SamplingParams
 
@@ -60,12 +62,12 @@ its buffers, below glibc's 32 MiB mmap threshold, are reused rather than faulted
 class SamplerOutput:
     token_ids: torch.Tensor
     """[N] int64 on the CPU: the token chosen for each row."""
-    logprobs: list[dict[int, float] | None] | None
-    """None when no row asked for logprobs. Otherwise, per row, None if that row's
-    ``params.logprobs`` is None, else ``{token_id: logprob}`` holding its top-k tokens in
-    descending order, then the sampled token if it is not among them. Logprobs are the
-    log-softmax of the RAW logits, before penalties, logit_bias, allowed_token_ids, bad_words,
-    temperature, top-k/p, min-p and the min_tokens mask (vLLM v1's default, "raw_logprobs")."""
+    logprobs: LogprobRows | None
+    """None when no row asked for logprobs. Otherwise every row's (``compute_logprobs``): its
+    top tokens, as many as the row that asks for most (``params.logprobs``), then the sampled
+    token. Logprobs are the log-softmax of the RAW logits, before penalties, logit_bias,
+    allowed_token_ids, bad_words, temperature, top-k/p, min-p and the min_tokens mask (vLLM
+    v1's default, "raw_logprobs")."""
 
 
 class Sampler:
@@ -80,7 +82,7 @@ class Sampler:
         num_output_tokens: Sequence[int] | None = None,
         eos_token_ids: Sequence[int] = (),
         history: HistoryRows | None = None,
-        token_bitmask: torch.Tensor | None = None,
+        token_bitmask: TokenBitmask | None = None,
         on_sampled: Callable[[torch.Tensor], None] | None = None,
         to_host: bool = True,
     ) -> SamplerOutput:
@@ -93,8 +95,8 @@ class Sampler:
             ``ignore_eos``, ``eos_token_ids`` (their logits are set to -inf).
         history: the rows' tokens (``TokenHistory.rows_of``), which rows whose params
             ``needs_token_history`` must have.
-        token_bitmask: [N, ceil(V / 32)] int32 on the logits' device: a row samples only the
-            tokens whose bit is set (structured outputs, ``GrammarState.bitmask``).
+        token_bitmask: the constrained rows' bits on the logits' device: such a row samples
+            only the tokens whose bit is set (structured outputs, ``GrammarState.bitmask``).
         on_sampled: called with the [N] int64 token ids on the logits' device before they are
             copied to the host (token feedback sends them on from there).
         to_host: False leaves ``token_ids`` on the logits' device (no synchronization) when no
@@ -114,11 +116,11 @@ class Sampler:
         wants_logprobs = any(p.logprobs is not None for p in params)
         if not to_host and not wants_logprobs:
             return SamplerOutput(token_ids=token_ids, logprobs=None)
-        token_ids_cpu = token_ids.cpu()
         logprobs = None
         if wants_logprobs:
-            logprobs = _gather_logprobs(logits, token_ids, token_ids_cpu.tolist(), params)
-        return SamplerOutput(token_ids=token_ids_cpu, logprobs=logprobs)
+            num_top = max(p.logprobs or 0 for p in params)
+            logprobs = logprob_rows(*compute_logprobs(logits, token_ids, num_top))
+        return SamplerOutput(token_ids=token_ids.cpu(), logprobs=logprobs)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -137,7 +139,7 @@ def _sample(
     num_output_tokens: Sequence[int] | None,
     eos_token_ids: Sequence[int],
     history: HistoryRows | None,
-    token_bitmask: torch.Tensor | None,
+    token_bitmask: TokenBitmask | None,
 ) -> torch.Tensor:
     """[N] int64 token ids on the logits' device, one chunk of rows at a time."""
     # logits: [N, V]
@@ -145,7 +147,7 @@ def _sample(
     for rows in _row_chunks(logits):
         x = logits[rows]  # [n, V], a view
         if token_bitmask is not None:
-            x = apply_token_bitmask(x, token_bitmask[rows])
+            x = apply_token_bitmask(x, token_bitmask, rows)
         x = process_logits(x, params[rows], None if history is None else history[rows])
         if num_output_tokens is not None:
             x = _apply_min_tokens(x, params[rows], num_output_tokens[rows], eos_token_ids)
@@ -466,30 +468,44 @@ def _apply_min_tokens(
     return logits.index_put((index[0], index[1]), neg_inf)
 
 
-def _gather_logprobs(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    token_ids_cpu: list[int],
-    params: Sequence[SamplingParams],
-) -> list[dict[int, float] | None]:
-    # logits: [N, V] raw, token_ids: [N] on its device
-    max_k = max(p.logprobs or 0 for p in params)
-    top_values, top_ids = logits.topk(max_k, dim=-1)  # [N, max_k] each, log-softmax's order
-    sampled = logits.gather(1, token_ids.unsqueeze(1))  # [N, 1]
-    values = torch.cat([top_values, sampled], dim=1).sub_(_logsumexp(logits))  # [N, max_k + 1]
-    values, top_ids = values.tolist(), top_ids.tolist()
-    out: list[dict[int, float] | None] = []
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            out.append(None)
-            continue
-        row = dict(zip(top_ids[i][: p.logprobs], values[i][: p.logprobs]))
-        row.setdefault(token_ids_cpu[i], values[i][-1])
-        out.append(row)
-    return out
+def compute_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's ``num_top`` most likely tokens (descending), then its own token ``token_ids``:
+    (ids [n, num_top + 1] int64, logprobs [n, num_top + 1] float32, ranks [n, num_top + 1]
+    int64), on the logits' device, without waiting for it.
+
+    Logprobs are the log-softmax of ``logits`` as given (the sampler's raw logits). A rank is
+    1 + the number of tokens with a strictly larger logit, which order the tokens as their
+    logprobs do: for the own token a count over the whole vocabulary, for a top token the
+    count among the top tokens (every token larger than one of them is one of them); tied
+    tokens share a rank.
+    """
+    # logits: [n, V] float32; token_ids: [n] int64
+    top_values, top_ids = logits.topk(num_top, dim=-1)  # [n, k] each
+    own = logits.gather(1, token_ids.unsqueeze(1))  # [n, 1]
+    log_norm, num_larger = _log_norm_and_num_larger(logits, own)  # [n, 1] each
+    top_ranks = (top_values.unsqueeze(1) > top_values.unsqueeze(2)).sum(dim=-1).add_(1)  # [n, k]
+    ids = torch.cat([top_ids, token_ids.unsqueeze(1)], dim=1)
+    values = torch.cat([top_values, own], dim=1).sub_(log_norm)
+    ranks = torch.cat([top_ranks, num_larger.add_(1)], dim=1)
+    return ids, values, ranks
 
 
-def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
-    """[N, 1], in chunks of rows on the CPU (as ``_sample``): its [n, V] temporary stays small."""
-    # logits: [N, V]
-    return torch.cat([logits[rows].logsumexp(dim=-1, keepdim=True) for rows in _row_chunks(logits)])
+def logprob_rows(ids: torch.Tensor, logprobs: torch.Tensor, ranks: torch.Tensor) -> LogprobRows:
+    """``compute_logprobs``' tensors on the host, as the wire carries them (waits for them)."""
+    # ids, logprobs, ranks: [n, k + 1]
+    return LogprobRows(num_top=ids.shape[1] - 1, token_ids=ids.flatten().tolist(),
+                       logprobs=logprobs.flatten().tolist(), ranks=ranks.flatten().tolist())
+
+
+def _log_norm_and_num_larger(logits: torch.Tensor, own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([n, 1] logsumexp, [n, 1] int64 count of logits > ``own``), in chunks of rows on the
+    CPU (as ``_sample``): the [n, V] temporaries stay small."""
+    # logits: [n, V]; own: [n, 1]
+    chunks = _row_chunks(logits)
+    norms = [logits[rows].logsumexp(dim=-1, keepdim=True) for rows in chunks]
+    counts = [(logits[rows] > own[rows]).sum(dim=-1, keepdim=True) for rows in chunks]
+    if len(chunks) == 1:
+        return norms[0], counts[0]
+    return torch.cat(norms), torch.cat(counts)

@@ -37,17 +37,23 @@ from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_u
 from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.parallel.transport import TransportConfig, WorkerChannel
-from pipeserve.parallel.wire import Shutdown, StepPlan, StepResult, WorkerError
+from pipeserve.parallel.wire import PromptLogprobs, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime import progress
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
-from pipeserve.runtime.worker.batch import PlanInputs, StepInputs, host_to_device, to_tensors
+from pipeserve.runtime.worker.batch import PlanInputs, StepInputs, to_tensors
 from pipeserve.runtime.worker.cuda_graphs import GraphStep, capture_cuda_graphs
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache, kv_cache_bytes_per_block
 from pipeserve.runtime.worker.model_runner import ModelRunner
 from pipeserve.runtime.worker.rendezvous import broadcast_json, gather_timelines
-from pipeserve.runtime.worker.grammar import GrammarCompiler, GrammarState
+from pipeserve.runtime.worker.grammar import GrammarCompiler, GrammarState, TokenBitmask
 from pipeserve.runtime.worker.penalties import TokenHistory
+from pipeserve.runtime.worker.prompt_logprobs import (
+    PromptRows,
+    compute_prompt_logprobs,
+    prompt_logprobs_of,
+    prompt_rows,
+)
 from pipeserve.runtime.worker.sampler import Sampler, make_generator
 from pipeserve.scheduler import SamplingParams
 
@@ -145,13 +151,21 @@ class Worker:
             span = plan_model_stages(model_config, self.ctx.pp_size, override=par.stage_layers)[self.ctx.stage]
         return load_model(
             self.config.model, dtype=self.dtype, device=self.device, load_format=self.config.load_format,
-            parallel=self.ctx, start_layer=0 if span is None else span.start_layer,
+            quantization=self.config.quantization, parallel=self.ctx, start_layer=0 if span is None else span.start_layer,
             end_layer=None if span is None else span.end_layer,
         )
 
     @property
     def _max_model_len(self) -> int:
         return self.config.max_model_len or self.model_config.max_position_embeddings
+
+    @property
+    def _max_logit_rows(self) -> int:
+        """Rows of logits the largest micro-batch samples: what ``_profile_forward`` measures,
+        and the slice of prompt rows the LM head takes at once (``prompt_logprobs.py``)."""
+        sched = self.config.scheduler
+        num_tokens = sched.max_num_batched_tokens
+        return max(min(sched.max_num_seqs, num_tokens), math.ceil(num_tokens / self._max_model_len))
 
     @property
     def _captures_graphs(self) -> bool:
@@ -199,7 +213,7 @@ class Worker:
         blocks; a later stage takes zeros for the previous stage's output."""
         sched, bs = self.config.scheduler, self.config.block_size
         num_tokens = sched.max_num_batched_tokens
-        num_seqs = max(min(sched.max_num_seqs, num_tokens), math.ceil(num_tokens / self._max_model_len))
+        num_seqs = self._max_logit_rows
         lens = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
         tables, first = [], 0
         for n in lens:
@@ -253,12 +267,25 @@ class Worker:
                 self.feedback_receiver.post_due()  # sampled ids due, from the driver (feedback.py)
             return None
         logits = self.model.compute_logits(hidden[inputs.sample_indices])
+        # Before sampling, so every TP rank joins the LM head's collectives in the same order
+        # (the driver's feedback sends come after them on every rank).
+        prompt = self._prompt_logprobs(plan, hidden)
         if not self.ctx.is_driver:
             self.busy.end(plan.step_id)
             if receiver is not None:  # pp=1, tp > 1: this rank is a first-stage one too
                 receiver.post_due()
             return None
-        return self._sample(plan, logits, time.perf_counter() - t0)  # (ends the busy span)
+        return self._sample(plan, logits, prompt, time.perf_counter() - t0)  # (ends the busy span)
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[PromptRows, tuple] | None:
+        """On the last stage, the LM head over the plan's prompt rows (none: nothing to do);
+        on the driver, their rows and logprob tensors, still on the device."""
+        rows = prompt_rows(plan)
+        if rows is None:
+            return None
+        tensors = compute_prompt_logprobs(self.model, hidden, rows, max_rows=self._max_logit_rows,
+                                          driver=self.ctx.is_driver)
+        return None if tensors is None else (rows, tensors)
 
     def _recv(self, num_tokens: int) -> torch.Tensor:
         # The shape comes from the plan: no shape message travels.
@@ -286,17 +313,22 @@ class Worker:
         if self._grammars is None:
             compiler = GrammarCompiler(self.tokenizer, vocab_size=self.model_config.vocab_size,
                                        eos_token_ids=self.eos_token_ids)
-            self._grammars = GrammarState(compiler)
+            self._grammars = GrammarState(compiler, self.device)
         return self._grammars
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, seconds: float) -> StepResult | PendingResult:
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, prompt: tuple[PromptRows, tuple] | None,
+                seconds: float) -> StepResult | PendingResult:
+        """Samples the plan's sequences; ``prompt``: its prompt rows' logprobs (``_prompt_logprobs``),
+        brought to the host after the sampled ids are on their way (a step with prompt rows waits
+        for the device)."""
         self._history.apply_plan(plan)
         if self._grammars is not None:
             self._grammars.apply_plan(plan)
         seqs = [s for s in plan.seqs if s.needs_sample]
         if not seqs:  # prompt chunks only: nothing to sample, feed or wait for
             self.busy.end(plan.step_id)
-            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], stage_times=[seconds])
+            return StepResult(step_id=plan.step_id, request_ids=[], token_ids=[], stage_times=[seconds],
+                              prompt_logprobs=[] if prompt is None else prompt_logprobs_of(*prompt))
         params = [s.sampling for s in seqs]
         gens = [self._generator_of(s) for s in seqs]
         history = self._history.rows_of(seqs) if len(self._history) else None
@@ -319,19 +351,19 @@ class Worker:
         out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
                            eos_token_ids=self.eos_token_ids, history=history, token_bitmask=bitmask,
                            on_sampled=on_sampled, to_host=not defer)
+        prompt_logprobs = [] if prompt is None else prompt_logprobs_of(*prompt)
         if out.token_ids.device.type != "cpu":
-            return PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds)
-        logprobs = None
-        if out.logprobs is not None and any(lp is not None for lp in out.logprobs):
-            logprobs = [lp or {} for lp in out.logprobs]
+            return PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds,
+                                 prompt_logprobs=prompt_logprobs)
         return StepResult(step_id=plan.step_id, request_ids=[s.request_id for s in seqs],
-                          token_ids=out.token_ids.tolist(), logprobs=logprobs, stage_times=[seconds])
+                          token_ids=out.token_ids.tolist(), logprobs=out.logprobs, prompt_logprobs=prompt_logprobs,
+                          stage_times=[seconds])
 
-    def _token_bitmask(self, seqs) -> torch.Tensor | None:
-        """The step's structured-output mask on the device (None: no row is constrained)."""
+    def _token_bitmask(self, seqs) -> TokenBitmask | None:
+        """The step's structured-output masks on the device (None: no row is constrained)."""
         if all(s.sampling.structured_outputs is None for s in seqs):
             return None
-        return host_to_device(self._grammar_state().bitmask(seqs), torch.int32, self.device)
+        return self._grammar_state().bitmask(seqs)
 
     def _generator_of(self, seq) -> torch.Generator | None:
         if seq.request_id not in self._generators:
@@ -415,10 +447,13 @@ def _write_profile(profiler: cProfile.Profile, folder: str, rank: int, top: int 
 
 
 class PendingResult:
-    """A step's sampled ids on their way to pinned host memory (the driver, token feedback)."""
+    """A step's sampled ids on their way to pinned host memory (the driver, token feedback);
+    its prompt logprobs, if any, are on the host already."""
 
-    def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float) -> None:
+    def __init__(self, step_id: int, request_ids: list[str], token_ids: torch.Tensor, seconds: float, *,
+                 prompt_logprobs: list[PromptLogprobs]) -> None:
         self.step_id, self.request_ids, self.seconds = step_id, request_ids, seconds
+        self.prompt_logprobs = prompt_logprobs
         self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         self.event = torch.cuda.Event()
         self.token_ids = token_ids  # alive until copied
@@ -431,7 +466,7 @@ class PendingResult:
     def result(self) -> StepResult:
         self.event.synchronize()
         return StepResult(step_id=self.step_id, request_ids=self.request_ids, token_ids=self.host.tolist(),
-                          stage_times=[self.seconds])
+                          prompt_logprobs=self.prompt_logprobs, stage_times=[self.seconds])
 
 
 def arrived(item: PendingResult | StepResult) -> StepResult:

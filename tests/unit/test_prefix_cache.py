@@ -291,6 +291,28 @@ def test_hit_with_chunked_prefill_continues_after_the_prefix():
     assert s.request_id == "r1" and s.num_computed_tokens == 20 and s.num_scheduled_tokens == 7
 
 
+@pytest.mark.parametrize("grouping", [False, True])
+def test_skip_reading_prefix_cache_computes_the_whole_prompt(grouping):
+    """A request that skips reading the cache (prompt logprobs) starts at 0 over a cached prefix,
+    is never held for a prefix in flight, and still caches its own blocks for the others."""
+    sched = make_scheduler(grouping=grouping, max_num_batched_tokens=64)
+    r0, r1, r2 = shared_prefix_requests(3, prefix_len=12, suffix_len=2)
+    skipper = req("skip", r1.prompt_token_ids, arrival_time=1.0, skip_reading_prefix_cache=True)
+    sched.add_request(r0)
+    sched.add_request(skipper)  # r0's prefix is in flight: grouping would hold a plain request
+    first = sched.schedule()
+    assert [(s.request_id, s.num_computed_tokens) for s in first.scheduled] == [("r0", 0), ("skip", 0)]
+    sched.update(first, {"r0": 5, "skip": 6})
+    assert sched.block_manager.cached_prefix(skipper) == []
+    skipper2 = req("skip2", r2.prompt_token_ids, arrival_time=2.0, skip_reading_prefix_cache=True)
+    sched.add_request(skipper2)
+    sched.add_request(r2)
+    second = sched.schedule()
+    starts = {s.request_id: s.num_computed_tokens for s in second.scheduled}
+    assert (starts["skip2"], starts["r2"]) == (0, 12)  # the plain request hits the cached prefix
+    assert sched.prefix_cache_stats.num_cached_prompt_tokens == 12
+
+
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("policy", ["sarathi", "vllm", "orca", "faster_transformer"])
 def test_shared_prefixes_finish_with_reference_outputs(policy, depth):

@@ -49,6 +49,11 @@ def ref_log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
+def ref_rank(logits_row: np.ndarray, token: int) -> int:
+    """1 + the number of tokens with a strictly larger logit (so logprob) than ``token``'s."""
+    return 1 + int(np.count_nonzero(logits_row > logits_row[token]))
+
+
 def random_logits(rng: np.random.Generator, num_rows: int, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal((num_rows, vocab_size)) * 3).float()
 
@@ -191,20 +196,45 @@ def test_logprobs_match_reference_and_include_sampled(device):
     ]
     out = Sampler()(logits.to(device), params, [None] * num_rows)
     ref = ref_log_softmax(logits.numpy())
+    assert out.logprobs.num_top == 20 and out.logprobs.num_rows == num_rows  # every row, the most asked for
     num_outside_top_k = 0
-    for row, (p, lp) in enumerate(zip(params, out.logprobs)):
+    for row, p in enumerate(params):
         if p.logprobs is None:
-            assert lp is None
             continue
+        lp = out.logprobs.entry(row, p.logprobs)
         token_id = int(out.token_ids[row])
         top_ids = list(lp)[: p.logprobs]
         np.testing.assert_array_equal(top_ids, np.argsort(-ref[row], kind="stable")[: p.logprobs])
         assert token_id in lp
         assert len(lp) == p.logprobs + (token_id not in top_ids)
         num_outside_top_k += token_id not in top_ids
-        for token, value in lp.items():
+        for token, (value, rank) in lp.items():
             assert value == pytest.approx(ref[row, token], abs=1e-4)
+            assert rank == ref_rank(logits[row].numpy(), token)
     assert num_outside_top_k > 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compute_logprobs_ranks_over_the_whole_vocabulary(device, monkeypatch):
+    """Any row's own token (far outside the top k too), ties sharing a rank, in CPU chunks of
+    rows: ranks are 1 + the number of strictly larger logits (NumPy), logprobs the log-softmax."""
+    monkeypatch.setattr(sampler_module, "_CPU_CHUNK_ELEMENTS", 3 * 500)
+    rng = np.random.default_rng(21)
+    logits = random_logits(rng, 9, 500)
+    logits[0, [7, 8, 9]] = 40.0  # a three-way tie at the top
+    logits[1, [3, 4]] = logits[1, 5].item()  # a tie around the own token, mid-vocabulary
+    own = torch.tensor([8, 4, *rng.integers(0, 500, 7).tolist()])
+    ids, values, ranks = sampler_module.compute_logprobs(logits.to(device), own.to(device), 3)
+    ref = ref_log_softmax(logits.numpy())
+    assert ids.shape == values.shape == ranks.shape == (9, 4)
+    assert ids[:, 3].tolist() == own.tolist()
+    for row in range(9):
+        for token, value, rank in zip(ids[row].tolist(), values[row].tolist(), ranks[row].tolist()):
+            assert value == pytest.approx(ref[row, token], abs=1e-4)
+            assert rank == ref_rank(logits[row].numpy(), token)
+    assert ranks[0].tolist() == [1, 1, 1, 1]
+    assert ranks[1, 3].item() == ref_rank(logits[1].numpy(), 4) == ref_rank(logits[1].numpy(), 3)
+    assert max(ranks[2:, 3].tolist()) > 100  # own tokens far down the vocabulary are ranked too
 
 
 def test_logprobs_are_raw_not_tempered():
@@ -212,7 +242,7 @@ def test_logprobs_are_raw_not_tempered():
     out = Sampler()(logits, [SamplingParams(temperature=0.3, top_k=1, logprobs=4)], [None])
     ref = ref_log_softmax(logits.numpy())[0]
     assert out.token_ids.tolist() == [0]
-    assert list(out.logprobs[0].values()) == pytest.approx(ref.tolist(), abs=1e-5)
+    assert [v for v, _ in out.logprobs.entry(0, 4).values()] == pytest.approx(ref.tolist(), abs=1e-5)
 
 
 def test_min_tokens_masks_eos_and_stop_ids():
@@ -491,7 +521,9 @@ def test_logprobs_across_chunks(monkeypatch):
               for i in range(7)]
     out = Sampler()(logits, params, [None] * 7)
     ref = ref_log_softmax(logits.numpy())
-    for row, lp in enumerate(out.logprobs):
+    for row in range(7):
+        lp = out.logprobs.entry(row, 4)
         assert list(lp)[:4] == np.argsort(-ref[row], kind="stable")[:4].tolist()
-        for token, value in lp.items():
+        for token, (value, rank) in lp.items():
             assert value == pytest.approx(ref[row, token], abs=1e-5)
+            assert rank == ref_rank(logits[row].numpy(), token)

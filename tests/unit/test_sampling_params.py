@@ -58,6 +58,9 @@ def test_clone_copies_and_revalidates():
         (dict(min_tokens=17, max_tokens=16), "min_tokens"),
         (dict(logprobs=-1), "logprobs"),
         (dict(logprobs=21), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs must be in"),
+        (dict(prompt_logprobs=21), "prompt_logprobs must be in"),
+        (dict(prompt_logprobs=1.0), "prompt_logprobs must be an int"),
         (dict(stop=3), "stop"),
         (dict(stop=["a", 3]), "stop"),
         (dict(stop=[""]), "non-empty"),
@@ -78,6 +81,8 @@ def test_rejects_bad_values(kwargs, match):
 def test_accepts_edge_values():
     SamplingParams(top_p=1e-9, min_p=1.0, logprobs=0, top_k=1, seed=-3, max_tokens=1, min_tokens=1)
     SamplingParams(logprobs=20, stop=["x" * 1024] + [str(i) for i in range(63)])
+    SamplingParams(prompt_logprobs=0)
+    SamplingParams(prompt_logprobs=20)
 
 
 def test_one_type_from_the_api_to_the_wire():

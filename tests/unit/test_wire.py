@@ -46,13 +46,19 @@ ALL_MESSAGES = [
                      sampling=make_sampling(seed=None, logprobs=None, temperature=0.0)),
             make_seq("chunk", needs_sample=False, sampling=None, block_table=None,
                      block_table_diff=[9, 10]),
+            make_seq("scored", needs_sample=False, sampling=make_sampling(prompt_logprobs=2),
+                     prompt_logprob_targets=[101, 102, 7]),
         ],
         freed=["old-1", "old-2"],
         shutdown=True,
     ),
     StepPlan(step_id=0, seqs=[]),
     StepResult(step_id=17, request_ids=["a", "b"], token_ids=[5, 6],
-               logprobs=[{5: -0.1, 9: -2.5}, {6: -0.01}], stage_times=[0.01, 0.02]),
+               logprobs=wire.LogprobRows(num_top=1, token_ids=[9, 5, 6, 6], logprobs=[-0.1, -2.5, -0.01, -0.01],
+                                         ranks=[1, 2, 1, 1]),
+               prompt_logprobs=[wire.PromptLogprobs(request_id="c", start=1, rows=wire.LogprobRows(
+                   num_top=0, token_ids=[4, 8], logprobs=[-3.5, -0.25], ranks=[40, 1]))],
+               stage_times=[0.01, 0.02]),
     StepResult(step_id=18, request_ids=[], token_ids=[], error="CUDA OOM on stage 1"),
     Heartbeat(rank=-1, t=1.7e9),
     Heartbeat(rank=3, t=1.7e9, stage_busy=wire.StageBusy(stage=1, busy_s=12.5)),
@@ -61,7 +67,8 @@ ALL_MESSAGES = [
                     params=SamplingParams(temperature=0.5, stop=["\n"], seed=3)),
     wire.AbortRequest(request_id="r1"),
     wire.RequestUpdate(request_id="r1", token_ids=[4, 5], text="ab", finish_reason="stop",
-                       stop_reason="\n", logprobs=[{4: -0.1}, {5: -0.2, 6: -1.5}]),
+                       stop_reason="\n", logprobs=[{4: (-0.1, 1)}, {5: (-0.2, 1), 6: (-1.5, 2)}],
+                       prompt_logprobs=[None, {7: (-2.0, 3), 3: (-0.5, 1)}]),
     WorkerError(rank=2, message="Traceback ..."),
 ]
 
@@ -136,10 +143,29 @@ def test_invariants_checked_on_construction_and_decode():
         make_seq(needs_sample=True, sampling=None)
     with pytest.raises(ValueError, match="length"):
         StepResult(step_id=0, request_ids=["a"], token_ids=[])
+    with pytest.raises(ValueError, match="prompt_logprobs"):  # targets need sampling.prompt_logprobs
+        make_seq(needs_sample=False, prompt_logprob_targets=[1])
+    with pytest.raises(ValueError, match="4 prompt_logprob_targets for 3"):
+        make_seq(sampling=make_sampling(prompt_logprobs=0), prompt_logprob_targets=[1, 2, 3, 4])
+    rows = wire.LogprobRows(num_top=1, token_ids=[3, 4], logprobs=[-0.5, -1.0], ranks=[1, 2])
+    with pytest.raises(ValueError, match="logprobs and request_ids"):
+        StepResult(step_id=0, request_ids=["a", "b"], token_ids=[4, 5], logprobs=rows)
+    with pytest.raises(ValueError, match="rows of num_top"):
+        wire.LogprobRows(num_top=2, token_ids=[3, 4], logprobs=[-0.5, -1.0], ranks=[1, 2])
     good = msgspec.msgpack.decode(encode(StepPlan(step_id=1, seqs=[make_seq(num_tokens=2)])))
     good["seqs"][0][3] = [1]  # new_token_ids no longer matches num_scheduled_tokens
     with pytest.raises(WireError, match="new_token_ids"):
         decode(msgspec.msgpack.encode(good))
+
+
+def test_logprob_rows_entry_keeps_the_top_asked_for_then_the_own_token():
+    # Two rows of num_top = 2: the own token outside the top (rank 7), then among it (rank 1).
+    rows = wire.LogprobRows(num_top=2, token_ids=[9, 5, 3, 9, 5, 9], logprobs=[-0.1, -0.2, -4.0, -0.3, -0.4, -0.3],
+                            ranks=[1, 2, 7, 1, 2, 1])
+    assert rows.num_rows == 2
+    assert rows.entry(0, 2) == {9: (-0.1, 1), 5: (-0.2, 2), 3: (-4.0, 7)}
+    assert list(rows.entry(0, 1)) == [9, 3] and rows.entry(0, 0) == {3: (-4.0, 7)}
+    assert rows.entry(1, 2) == {9: (-0.3, 1), 5: (-0.4, 2)}
 
 
 def test_messages_are_frozen():
