@@ -7,6 +7,7 @@
 #   prefix    1 GPU    prefix sharing (Mooncake, shared prefix): caching off / on / grouping, against FastGen
 #   sharegpt  1 GPU    1,000 ShareGPT requests, pipeserve against FastGen
 #   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
+#   scaling4  4 GPUs   one GPU against tp=4, pp=4 and tp=2 × pp=2 on the same machine (WORKLOADS= to pick)
 #   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
 #   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
@@ -31,7 +32,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling async coldstart capacity bubbles roofline fp8 tpsteps structured profile"
+SCENARIOS="peers prefix sharegpt scaling scaling4 async coldstart capacity bubbles roofline fp8 tpsteps structured profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -127,6 +128,17 @@ scaling() {  # ~5 min: six runs of about 45 s (start-up and graph capture includ
     run "scaling-$w-1gpu" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL
     run "scaling-$w-pp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --pp 2
     run "scaling-$w-tp2" 170 0,1 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 2
+  done
+}
+
+scaling4() {  # ~4-5 min per workload: four runs of about a minute (start-up and graph capture included)
+  need_gpus 4 || return 0
+  local w
+  for w in ${WORKLOADS:-uniform decode-heavy}; do
+    run "scaling4-$w-1gpu" 170 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL
+    run "scaling4-$w-tp4" 170 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 4
+    run "scaling4-$w-pp4" 170 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --pp 4
+    run "scaling4-$w-tp2pp2" 170 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 2 --pp 2
   done
 }
 

@@ -104,12 +104,12 @@ def throughput_result(folder: str, name: str) -> dict | None:
     return json.loads(lines[-1][len("RESULT "):]) if lines else None
 
 
-def scaling(folder: str):
+def scaling(folder: str, prefix: str = "scaling", layouts=(("1gpu", "1 GPU"), ("pp2", "pp=2"), ("tp2", "tp=2"))):
     rows, figures = [], {}
     for workload, label in SCALING_WORKLOADS.items():
         one = None
-        for layout, name in (("1gpu", "1 GPU"), ("pp2", "pp=2"), ("tp2", "tp=2")):
-            r = throughput_result(folder, f"scaling-{workload}-{layout}")
+        for layout, name in layouts:
+            r = throughput_result(folder, f"{prefix}-{workload}-{layout}")
             if r is None:
                 rows.append([name, label, "no result", "", ""])
                 continue
@@ -118,6 +118,10 @@ def scaling(folder: str):
             rows.append([name, label, f"{r['output_tok_s']:,.0f}", f"{r['total_tok_s']:,.0f}", ratio])
             figures[f"{workload}-{layout}"] = r
     return table(["layout", "workload", "output tok/s", "total tok/s", "total / 1 GPU"], rows), figures
+
+
+def scaling4(folder: str):
+    return scaling(folder, "scaling4", (("1gpu", "1 GPU"), ("tp4", "tp=4"), ("pp4", "pp=4"), ("tp2pp2", "tp=2 × pp=2")))
 
 
 def async_(folder: str):
@@ -311,7 +315,7 @@ def structured(folder: str):
     return table(["requests", "output tokens", "total tok/s", "against plain"], rows), figures
 
 
-SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, async_, coldstart, capacity, bubbles,
+SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, async_, coldstart, capacity, bubbles,
                                                   roofline, fp8, tpsteps, profile, structured)}
 
 

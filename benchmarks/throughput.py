@@ -30,6 +30,8 @@ LLAMA3_8B = dict(
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
     torch_dtype="bfloat16", bos_token_id=50256, eos_token_id=50256,
 )
+LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
 JSON_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
                                                "items": {"type": "array", "items": {"type": "string"}}},
                "required": ["title", "items"]}
@@ -41,12 +43,14 @@ WORKLOADS = {  # name: (requests, prompt range, output tokens)
 }
 
 
-def model_folder(tokenizer: str | None, num_layers: int) -> str:
-    """A config-only folder; its tokenizer is ``tokenizer``, or the random-weights model's
-    generated one (this checkout's ``runtime/bench/dummy_model.py``, whatever tree runs)."""
-    folder = tempfile.mkdtemp(prefix="pipeserve-llama3-8b-")
+def model_folder(tokenizer: str | None, num_layers: int | None, shape: str = "llama3-8b") -> str:
+    """A config-only folder of ``shape`` (``num_layers`` of its layers; None: all); its tokenizer
+    is ``tokenizer``, or the random-weights model's generated one (this checkout's
+    ``runtime/bench/dummy_model.py``, whatever tree runs)."""
+    folder = tempfile.mkdtemp(prefix=f"pipeserve-{shape}-")
+    config = SHAPES[shape]
     with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(dict(LLAMA3_8B, num_hidden_layers=num_layers), f)
+        json.dump(dict(config, num_hidden_layers=num_layers or config["num_hidden_layers"]), f)
     if tokenizer is not None:
         shutil.copy(tokenizer, os.path.join(folder, "tokenizer.json"))
         return folder
@@ -67,7 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--num-layers", type=int, default=32, help="fewer for a quick check")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    p.add_argument("--num-layers", type=int, default=None, help="fewer for a quick check (default: the shape's)")
     p.add_argument("--num-requests", type=int, default=None, help="default: the workload's")
     p.add_argument("--token-feedback", choices=("auto", "on", "off"), default="auto",
                    help="parallel.token_feedback (auto: the tree's default)")
@@ -96,7 +101,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
         every = round(1 / args.json_fraction)
         params = [constrained if i % every == 0 else params for i in range(num_requests)]
-    folder = model_folder(args.tokenizer, args.num_layers)
+    folder = model_folder(args.tokenizer, args.num_layers, args.shape)
     extra = {} if args.token_feedback == "auto" else {"token_feedback": args.token_feedback == "on"}
     t0 = time.perf_counter()
     llm = LLM(folder, load_format="dummy", dtype="bfloat16", max_num_batched_tokens=args.max_num_batched_tokens,
@@ -118,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
     wall = rounds[-1][0]
-    result = {"workload": args.workload, "tp": args.tp, "pp": args.pp, "requests": num_requests,
+    result = {"shape": args.shape, "workload": args.workload, "tp": args.tp, "pp": args.pp, "requests": num_requests,
               "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
               "output_tok_s": round(out_tokens / wall, 1), "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1),
               "start_s": round(start_s, 1), "token_feedback": args.token_feedback,

@@ -3,7 +3,7 @@
 beside them) and a float checkpoint quantized at load (``quantization="fp8"``, a scale per
 row). The CPU runs the dequantizing reference, so the model must match transformers holding
 the dequantized weights within the float32 parity tolerance, through a whole prefill, chunked
-prefills and decodes. The GPU's FP8 GEMM is tests/kernels/test_fp8_gpu.py.
+prefills and decodes. The GPU's FP8 GEMM is tests/kernels/test_fp8_kernels.py.
 """
 
 from __future__ import annotations
