@@ -1,6 +1,6 @@
 """Structured outputs (guided decoding) with xgrammar: a request's JSON schema, regex, choice or
 EBNF grammar becomes a token mask each step. xgrammar rather than outlines-core, which expresses
-regular languages only (no json_object, no EBNF), compiles schemas 9-150x slower and costs more
+regular languages only (no json_object, no EBNF), compiles schemas far more slowly and costs more
 per token on average (``tools/grammar_overhead.py``; BENCHMARKS.md, "Grammar library").
 
 The engine compiles a request's constraint when it adds the request (``GrammarCompiler.compile``:
@@ -43,10 +43,9 @@ from pipeserve.runtime.worker.batch import host_to_device
 from pipeserve.scheduler.sampling_params import StructuredOutputsParams
 
 FILL_THREADS = 1
-"""xgrammar's threads for one step's masks. One: a row takes a few µs to fill on SmolLM2's and
-GPT-2's vocabularies (up to a hundred on a 128k one), and on the 2-core CI machine a second
-thread made 64 rows of 256 slower (0.9 -> 2.0 ms, ``python -m tools.grammar_steps batch
---threads 1,2``)."""
+"""xgrammar's threads for one step's masks: one. A row fills in a few µs (up to a hundred on a
+128k vocabulary), less than handing rows to more threads costs (``python -m tools.grammar_steps
+batch --threads 1,2,4,8``; BENCHMARKS.md, "Sampling controls and structured outputs")."""
 _ERROR_PREFIX = re.compile(r"^\[[^\]]*\] [^ ]*: (Check failed: \(.*\) is false: )?")
 
 
@@ -240,9 +239,8 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask, rows: slice
     """``logits``, rows ``rows`` of the step's batch, with -inf where a constrained row's bit is
     clear: a copy (logprobs stay the raw logits') where some row of them is constrained, else
     ``logits`` itself. By xgrammar's kernel on the logits' device, over the slice's rows, the
-    unconstrained ones given every bit on the device (its CPU kernel took 19 ms for 32 rows of
-    49,152 against 76 ms for the same mask unpacked with torch ops, and a full-width mask
-    0.2 ms less than masking the constrained rows apart, on this project's 2-core CI machine)."""
+    unconstrained ones given every bit on the device: one full-width kernel costs less than
+    unpacking the mask with torch ops or masking the constrained rows apart."""
     # logits: [n, V]; bitmask.bits: [K, W] int32, W = ceil(V / 32)
     first, end = bisect.bisect_left(bitmask.rows, rows.start), bisect.bisect_left(bitmask.rows, rows.stop)
     if first == end:

@@ -105,6 +105,19 @@ def test_chunked_prefill_matches_transformers_fed_the_same_chunks(tiny):
     assert _max_diff(ref[:56], hf_logits_by_chunks(tiny.folder, [prompt])) > 100 * ATOL
 
 
+def _check_packed_steps(model, folder, steps, *, atol: float, device: str = "cpu", seed: int = 0) -> None:
+    """Run ``steps`` (lists of (seq_id, tokens)) packed through ``model``; each sequence's logits
+    must match transformers fed that sequence's chunks alone."""
+    runner = PagedRunner(model, seed=seed, device=device)
+    got = {0: [], 1: []}
+    for step in steps:
+        for (seq_id, _), logits in zip(step, runner.step(step), strict=True):
+            got[seq_id].append(logits)
+    for seq_id in (0, 1):
+        chunks = [tokens for step in steps for s, tokens in step if s == seq_id]
+        assert _max_diff(torch.cat(got[seq_id]), hf_logits_by_chunks(folder, chunks, device=device)) < atol
+
+
 def test_packed_steps_give_each_sequence_its_own_frequencies(tiny):
     """Sequence 0 is past the original context from its first step; sequence 1 stays within it,
     then crosses it in a step that packs it beside sequence 0's decode."""
@@ -114,14 +127,7 @@ def test_packed_steps_give_each_sequence_its_own_frequencies(tiny):
         [(1, b[20:28]), (0, a[40:41])],
         [(0, a[41:42]), (1, b[28:36])],  # sequence 1: 28 -> 36 tokens
     ]
-    runner = PagedRunner(tiny.model, seed=4)
-    got = {0: [], 1: []}
-    for step in steps:
-        for (seq_id, _), logits in zip(step, runner.step(step), strict=True):
-            got[seq_id].append(logits)
-    for seq_id in (0, 1):
-        chunks = [tokens for step in steps for s, tokens in step if s == seq_id]
-        assert _max_diff(torch.cat(got[seq_id]), hf_logits_by_chunks(tiny.folder, chunks)) < ATOL
+    _check_packed_steps(tiny.model, tiny.folder, steps, atol=ATOL, seed=4)
 
 
 # --- GPU ----------------------------------------------------------------------------------
@@ -144,12 +150,4 @@ def test_gpu_float32_chunks_and_packed_decodes_match_transformers(tmp_path, kind
     a, b = _tokens(60, seed=6), _tokens(40, seed=7)
     steps = [[(0, a[:24])], [(0, a[24:48]), (1, b[:28])]]
     steps += [[(0, a[i : i + 1]), (1, b[j : j + 1])] for i, j in zip(range(48, 60), range(28, 40), strict=True)]
-    runner = PagedRunner(model, device="cuda")
-    got = {0: [], 1: []}
-    for step in steps:
-        for (seq_id, _), logits in zip(step, runner.step(step), strict=True):
-            got[seq_id].append(logits)
-    for seq_id in (0, 1):
-        chunks = [tokens for step in steps for s, tokens in step if s == seq_id]
-        ref = hf_logits_by_chunks(folder, chunks, device="cuda")
-        assert _max_diff(torch.cat(got[seq_id]), ref) < 1e-3
+    _check_packed_steps(model, folder, steps, atol=1e-3, device="cuda")
