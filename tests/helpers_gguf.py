@@ -2,6 +2,7 @@
 
     write_tiny_llama_gguf(path, hf_state_dict, config)                      # weights only
     write_tiny_llama_gguf(path, hf_state_dict, config, tokenizer=tiny_bpe_tokenizer(corpus))
+    write_tiny_gemma_gguf(path, hf_state_dict, config, tokenizer=gemma_gguf_tokenizer(sp_model, added))
 
 Import from a test module with `tests/` on sys.path (see tests/unit/test_gguf.py).
 """
@@ -135,6 +136,8 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tok: dict[str, Any]) -> None:
     writer.add_eos_token_id(tok["eos_token_id"])
     if tok.get("unknown_token_id") is not None:
         writer.add_unk_token_id(tok["unknown_token_id"])
+    if tok.get("padding_token_id") is not None:
+        writer.add_pad_token_id(tok["padding_token_id"])
     if "add_bos_token" in tok:
         writer.add_add_bos_token(tok["add_bos_token"])
     if tok.get("chat_template"):
@@ -211,6 +214,100 @@ def sentencepiece_gguf_tokenizer(model_proto: bytes, user_defined: tuple[str, ..
     }
 
 
+def gemma_gguf_tokenizer(model_proto: bytes, added_tokens: dict[str, bool]) -> dict[str, Any]:
+    """The vocabulary llama.cpp's Gemma2Model / Gemma3Model write for a Gemma SentencePiece
+    model, for `write_tiny_gemma_gguf`'s `tokenizer`: every piece with its score and type
+    (`sentencepiece_gguf_tokenizer`), then the pieces of tokenizer_config.json's
+    added_tokens_decoder (`added_tokens`: content -> its "special" flag) retyped as its
+    `_create_vocab_sentencepiece` does: special ones CONTROL, the others USER_DEFINED with each
+    "▁" written as a space, all scored -1000; no space prefix; BOS added; `<pad>` the padding."""
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model_proto)
+    tok = sentencepiece_gguf_tokenizer(model_proto)
+    for content, special in added_tokens.items():
+        index = sp.piece_to_id(content)
+        assert sp.id_to_piece(index) == content, content
+        tok["token_types"][index] = int(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+        tok["tokens"][index] = content if special else content.replace("▁", " ")
+        tok["scores"][index] = -1000.0
+    return tok | {"add_space_prefix": False, "add_bos_token": True, "padding_token_id": sp.pad_id()}
+
+
+def write_tiny_gemma_gguf(
+    path: str,
+    hf_state_dict: dict[str, torch.Tensor],
+    config: dict[str, Any],
+    *,
+    tokenizer: dict[str, Any],
+    metadata: dict[str, Any] | None = None,
+) -> None:
+    """Write a float32 GGUF as llama.cpp's convert_hf_to_gguf does for a Gemma2ForCausalLM or
+    Gemma3ForCausalLM (an HF state dict and config.json dict): its metadata
+    (`gemma_gguf_metadata`, or `metadata` instead), tensors named by the gguf package's own
+    name map, 1 added to every "*norm.weight", no lm_head, Gemma 3's embedding cut to the
+    vocabulary, and `tokenizer` (see `gemma_gguf_tokenizer`)."""
+    arch = "gemma3" if config["model_type"] == "gemma3_text" else config["model_type"]
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3 if arch == "gemma3" else gguf.MODEL_ARCH.GEMMA2,
+                                     config["num_hidden_layers"])
+    writer = gguf.GGUFWriter(path, arch=arch)
+    for key, value in (gemma_gguf_metadata(config) if metadata is None else metadata).items():
+        _add_value(writer, key, value)
+    _add_tokenizer(writer, tokenizer)
+    for name, tensor in hf_state_dict.items():
+        if name == "lm_head.weight":
+            continue
+        w = tensor.detach().to(torch.float32).cpu()
+        if name == "model.embed_tokens.weight" and arch == "gemma3":
+            w = w[: len(tokenizer["tokens"])]
+        if name.endswith("norm.weight"):
+            w = w + 1
+        module, _, suffix = name.rpartition(".")
+        writer.add_tensor(f"{names.get_name(module)}.{suffix}", np.ascontiguousarray(w.numpy()))
+    _finish(writer)
+
+
+def gemma_gguf_metadata(config: dict[str, Any]) -> dict[str, Any]:
+    """The model keys llama.cpp's Gemma2Model / Gemma3Model write for an HF config.json dict
+    (transformers 5's: Gemma 3's RoPE in per-layer-type `rope_parameters`). Gemma 2's converter
+    writes no RoPE base (llama.cpp's default, 10000, is Gemma 2's); Gemma 3's writes its global
+    layers' base and linear scaling, and no attention soft cap."""
+    arch = "gemma3" if config["model_type"] == "gemma3_text" else config["model_type"]
+    metadata = {
+        "context_length": config["max_position_embeddings"],
+        "embedding_length": config["hidden_size"],
+        "block_count": config["num_hidden_layers"],
+        "feed_forward_length": config["intermediate_size"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "attention.key_length": config["head_dim"],
+        "attention.value_length": config["head_dim"],
+        "attention.sliding_window": config["sliding_window"],
+    }
+    if arch == "gemma2":
+        metadata |= {"attn_logit_softcapping": float(config["attn_logit_softcapping"]),
+                     "final_logit_softcapping": float(config["final_logit_softcapping"])}
+    else:
+        rope = config["rope_parameters"]["full_attention"]
+        metadata["rope.freq_base"] = float(rope["rope_theta"])
+        if rope["rope_type"] == "linear":
+            metadata |= {"rope.scaling.type": "linear", "rope.scaling.factor": float(rope["factor"])}
+        if config.get("final_logit_softcapping"):
+            metadata["final_logit_softcapping"] = float(config["final_logit_softcapping"])
+    return {f"{arch}.{key}": value for key, value in metadata.items()}
+
+
+def _add_value(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """One metadata key, typed as llama.cpp's GGUFWriter types it: counts uint32, floats float32."""
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_float32(key, value)
+
+
 def tiny_llama_state_dict(
     config: dict[str, Any], seed: int = 0, attention_bias: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -277,11 +374,14 @@ def smollm2_installed() -> bool:
 
 __all__ = [
     "TINY_LLAMA_CONFIG",
+    "gemma_gguf_metadata",
+    "gemma_gguf_tokenizer",
     "llama_cpp_permute",
     "smollm2_checkpoint",
     "smollm2_installed",
     "tiny_bpe_tokenizer",
     "tiny_llama_state_dict",
+    "write_tiny_gemma_gguf",
     "write_tiny_gguf",
     "write_tiny_llama_gguf",
 ]

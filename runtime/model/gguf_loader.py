@@ -1,9 +1,9 @@
 """Read a llama.cpp GGUF file as a Hugging Face-shaped checkpoint.
 
     checkpoint = read_gguf(default_model_path())
-    checkpoint.config                       # config.json schema (LlamaForCausalLM / Qwen2ForCausalLM)
+    checkpoint.config                       # config.json schema (LlamaForCausalLM, Gemma2ForCausalLM, ...)
     for name, tensor in checkpoint.iter_weights({"model.norm.weight"}):
-        ...                                 # HF names, HF shapes, float32, Q/K rows un-permuted
+        ...                                 # HF names, HF shapes, float32, HF values
 
 Only metadata is parsed by `read_gguf`; tensors are dequantized one at a time, on demand, from
 the memory-mapped file, so a pipeline stage pays only for the slice it asks for.
@@ -23,11 +23,22 @@ import gguf
 import numpy as np
 import torch
 
-SUPPORTED_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 # llama.cpp's convert_hf_to_gguf permutes q/k rows for interleaved RoPE only in LlamaModel
-# (and its subclasses); its Qwen2Model (and Qwen3Model, a subclass) writes them in HF order.
+# (and its subclasses); its Qwen2Model (and Qwen3Model, a subclass), Gemma2Model and Gemma3Model
+# write them in HF order (llama.cpp runs those with NeoX RoPE).
 _PERMUTED_QK_ARCHITECTURES = {"llama"}
+# Gemma's RMSNorm multiplies by (1 + w), llama.cpp's by w: its Gemma2Model / Gemma3Model add 1 to
+# every tensor whose HF name ends in "norm.weight" (the four norms of each layer, Gemma 3's q/k
+# head norms, the final norm); reading subtracts it again.
+_NORM_SHIFTED_ARCHITECTURES = {"gemma2", "gemma3"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -46,6 +57,14 @@ _BLOCK_NAMES = {
     "attn_k_norm": "self_attn.k_norm",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+# Gemma norms the attention's output and both sides of the MLP: there "ffn_norm" is the norm
+# before the MLP, and HF's post_attention_layernorm is the one after attention.
+_GEMMA_BLOCK_NAMES = {
+    **_BLOCK_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
@@ -77,6 +96,8 @@ class GGUFCheckpoint:
 
     path: str
     """The .gguf file."""
+    architecture: str
+    """The file's general.architecture, one of SUPPORTED_ARCHITECTURES' keys."""
     config: dict[str, Any]
     """Model config in the schema of HF's config.json."""
     tokenizer_metadata: dict[str, Any] = field(repr=False)
@@ -107,11 +128,15 @@ class GGUFCheckpoint:
                 raise ValueError(f"{self.path} has no tensors named {sorted(missing)}")
         for name, tensor in self._tensors.items():
             if names is None or name in names:
-                yield name, GGUFTensorSlice(tensor, qk_heads=self._qk_heads(name))
+                yield name, GGUFTensorSlice(tensor, qk_heads=self._qk_heads(name), shift=self._shift(name))
+
+    def _shift(self, name: str) -> float:
+        """What llama.cpp added to this tensor's values (1 for a Gemma norm), to subtract."""
+        return 1.0 if self.architecture in _NORM_SHIFTED_ARCHITECTURES and name.endswith("norm.weight") else 0.0
 
     def _qk_heads(self, name: str) -> int | None:
         """Heads whose q/k rows llama.cpp permuted in this tensor; None if not permuted."""
-        if self.config["model_type"] not in _PERMUTED_QK_ARCHITECTURES:
+        if self.architecture not in _PERMUTED_QK_ARCHITECTURES:
             return None
         if ".self_attn.q_proj." in name:
             return self.config["num_attention_heads"]
@@ -121,8 +146,9 @@ class GGUFCheckpoint:
 
 
 class GGUFTensorSlice:
-    """One GGUF tensor in HF layout (float32, Q/K rows un-permuted), read when indexed; it
-    mirrors safetensors' `get_slice` objects (`get_shape()`, `s[:]`, `s[a:b]`, `s[:, a:b]`).
+    """One GGUF tensor in HF layout (float32, Q/K rows un-permuted, Gemma's norms back to HF's
+    values), read when indexed; it mirrors safetensors' `get_slice` objects (`get_shape()`,
+    `s[:]`, `s[a:b]`, `s[:, a:b]`).
 
     Quantized rows are stored one after another, so a row range costs only its rows. A column
     range (blocks of 32 values along a row for Q4/Q8) costs only its columns when it starts and
@@ -131,11 +157,14 @@ class GGUFTensorSlice:
     tensor first, then applies the index.
     """
 
-    __slots__ = ("_qk_heads", "_tensor")
+    __slots__ = ("_qk_heads", "_shift", "_tensor")
 
-    def __init__(self, tensor: gguf.ReaderTensor, *, qk_heads: int | None) -> None:
+    def __init__(self, tensor: gguf.ReaderTensor, *, qk_heads: int | None, shift: float = 0.0) -> None:
+        """`qk_heads`: heads whose rows llama.cpp permuted (None: not permuted); `shift`: what
+        llama.cpp added to every value (subtracted on reading)."""
         self._tensor = tensor
         self._qk_heads = qk_heads
+        self._shift = shift
 
     def get_shape(self) -> list[int]:
         # GGUF lists dims fastest-first (ne0 = columns); torch lists them slowest-first.
@@ -184,6 +213,8 @@ class GGUFTensorSlice:
         values = np.asarray(values, dtype=np.float32).reshape(shape)
         if not values.flags.writeable:  # F32 tensors come back as views of the read-only mmap
             values = values.copy()
+        if self._shift:
+            values -= np.float32(self._shift)
         weight = torch.from_numpy(values)
         if self._qk_heads is not None and weight.shape[0]:  # whole heads: un-permute them
             full_rows = int(self._tensor.shape[-1])
@@ -207,7 +238,8 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     """Parse a GGUF file's metadata and tensor index; no tensor data is read.
 
     Raises ValueError for a missing path, a file that is not GGUF, an architecture other than
-    llama/qwen2/qwen3, or tensors this loader does not know how to name.
+    llama/qwen2/qwen3/gemma2/gemma3, missing metadata the model needs, or tensors this loader
+    does not know how to name.
     """
     path = os.fspath(path)
     _check_is_gguf(path)
@@ -219,11 +251,14 @@ def read_gguf(path: str) -> GGUFCheckpoint:
             f"{path}: GGUF architecture {arch!r} is not supported; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    tensors = {_hf_name(t.name, path): t for t in reader.tensors}
+    block_names = _GEMMA_BLOCK_NAMES if arch in ("gemma2", "gemma3") else _BLOCK_NAMES
+    tensors = {_hf_name(t.name, path, block_names): t for t in reader.tensors}
+    tokenizer_metadata = _tokenizer_metadata(reader)
     return GGUFCheckpoint(
         path=path,
-        config=_hf_config(arch, metadata, tensors),
-        tokenizer_metadata=_tokenizer_metadata(reader),
+        architecture=arch,
+        config=_hf_config(arch, metadata | tokenizer_metadata, tensors),
+        tokenizer_metadata=tokenizer_metadata,
         weight_names=tuple(tensors),
         _tensors=tensors,
     )
@@ -259,11 +294,11 @@ def _tokenizer_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return {name: _field_value(f) for name, f in reader.fields.items() if name.startswith("tokenizer.")}
 
 
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name(gguf_name: str, path: str, block_names: dict[str, str]) -> str:
     if m := _BLOCK_TENSOR.fullmatch(gguf_name):
         layer, kind, suffix = m.groups()
-        if kind in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+        if kind in block_names:
+            return f"model.layers.{layer}.{block_names[kind]}.{suffix}"
     elif m := _GLOBAL_TENSOR.fullmatch(gguf_name):
         kind, suffix = m.groups()
         if kind in _GLOBAL_NAMES:
@@ -283,9 +318,15 @@ def _hf_config(arch: str, metadata: dict[str, Any], tensors: dict[str, gguf.Read
 
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError("GGUF file has no token_embd.weight tensor")
+    gemma = arch in ("gemma2", "gemma3")
     hidden_size = required("embedding_length")
     num_heads = required("attention.head_count")
-    head_dim = key("attention.key_length", hidden_size // num_heads)
+    # Gemma's heads are never hidden / heads wide (Gemma 2 2B: 256, not 2304 / 8), and its
+    # converter always writes the width: without it the file is not one llama.cpp wrote.
+    head_dim = required("attention.key_length") if gemma else key("attention.key_length", hidden_size // num_heads)
+    if key("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"{arch}.attention.value_length {key('attention.value_length')} != key_length {head_dim}: "
+                         "value heads of another width than key heads are not supported")
     rope_dim = key("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise ValueError(f"partial rotary embedding (rope dim {rope_dim} != head dim {head_dim}) is not supported")
@@ -293,7 +334,7 @@ def _hf_config(arch: str, metadata: dict[str, Any], tensors: dict[str, gguf.Read
     vocab_size = int(tensors["model.embed_tokens.weight"].shape[1])
     config = {
         "architectures": [SUPPORTED_ARCHITECTURES[arch]],
-        "model_type": arch,
+        "model_type": "gemma3_text" if arch == "gemma3" else arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,
         "intermediate_size": required("feed_forward_length"),
@@ -301,13 +342,15 @@ def _hf_config(arch: str, metadata: dict[str, Any], tensors: dict[str, gguf.Read
         "num_attention_heads": num_heads,
         "num_key_value_heads": key("attention.head_count_kv", num_heads),
         "head_dim": head_dim,
-        "hidden_act": "silu",
+        "hidden_act": "gelu_pytorch_tanh" if gemma else "silu",  # llama.cpp's GELU is the tanh one
         "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": key("rope.freq_base", 10000.0),
         "max_position_embeddings": required("context_length"),
         "tie_word_embeddings": "lm_head.weight" not in tensors,
         "attention_bias": "model.layers.0.self_attn.q_proj.bias" in tensors,
     }
+    if gemma:
+        config |= _gemma_attention(arch, key, config)
     rope_scaling = _rope_scaling(key)
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
@@ -321,9 +364,61 @@ def _hf_config(arch: str, metadata: dict[str, Any], tensors: dict[str, gguf.Read
     return config
 
 
+# llama.cpp knows Gemma's 27B models by their layer count (its llm_type) and nothing else.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_attention(arch: str, key, config: dict[str, Any]) -> dict[str, Any]:
+    """Gemma's attention settings in config.json's schema, as llama.cpp's llama-model.cpp reads
+    them; what its converter does not write, llama.cpp hard-codes, and so does this.
+
+    - Which layers slide: Gemma 2 every other one, sliding first; Gemma 3 five in six (every
+      6th global), or none when the file has no (or a zero) sliding window. Gemma 3's sliding
+      layers turn RoPE on base 10000 unscaled; `rope.freq_base` and any linear scaling are its
+      global layers'.
+    - Soft caps: Gemma 2's attention and final caps default to 50 and 30 (every Gemma 2's
+      values) when absent; Gemma 3 caps nothing unless the file gives a final cap.
+    - query_pre_attn_scalar is not in the file. llama.cpp scales queries by head_dim ** -0.5,
+      but by (hidden / heads) ** -0.5 in the 27B models (their query_pre_attn_scalar, 144 for
+      Gemma 2 and 168 for Gemma 3), which it knows by their layer count; so does this.
+      transformers' GGUF reader keeps its config classes' default, 256, instead: the same value
+      for every other released Gemma 2 / 3 (head_dim 256), a wrong one for the 27B models.
+    """
+    num_layers, hidden_size = config["num_hidden_layers"], config["hidden_size"]
+    if num_layers == _GEMMA_27B_LAYERS[arch]:
+        query_pre_attn_scalar = hidden_size // config["num_attention_heads"]
+    else:
+        query_pre_attn_scalar = config["head_dim"]
+    if arch == "gemma2":
+        window, pattern = key("attention.sliding_window", 4096), 2
+        caps = {"attn_logit_softcapping": key("attn_logit_softcapping", 50.0),
+                "final_logit_softcapping": key("final_logit_softcapping", 30.0)}
+    else:
+        window, pattern = key("attention.sliding_window") or None, 6
+        caps = {"final_logit_softcapping": key("final_logit_softcapping")}
+    slides = [window is not None and (i + 1) % pattern != 0 for i in range(num_layers)]
+    settings = {
+        "query_pre_attn_scalar": query_pre_attn_scalar,
+        "sliding_window": window,
+        "layer_types": ["sliding_attention" if s else "full_attention" for s in slides],
+        **caps,
+    }
+    if arch == "gemma3":
+        settings["rope_local_base_freq"] = 10000.0
+    return settings
+
+
+_GEMMA_END_OF_TURN = "<end_of_turn>"
+
+
 def gguf_eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
-    """EOS, then end-of-turn and end-of-message ids: every id llama.cpp's metadata says ends generation."""
-    ids = (metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom"))
+    """EOS, then end-of-turn and end-of-message ids: every id llama.cpp's metadata says ends
+    generation. llama.cpp also ends at Gemma's "<end_of_turn>", which it finds by its text in
+    `tokenizer.ggml.tokens` (Gemma's converter writes no end-of-turn id), and so does this."""
+    ids = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
+    tokens = metadata.get("tokenizer.ggml.tokens") or ()
+    if _GEMMA_END_OF_TURN in tokens:
+        ids.append(tokens.index(_GEMMA_END_OF_TURN))
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
 

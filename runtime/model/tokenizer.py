@@ -84,7 +84,7 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, checkpoint_or_path: GGUFCheckpoint | str) -> "Tokenizer":
         """Build the tokenizer a GGUF file describes: byte-level BPE (`tokenizer.ggml.model`
-        "gpt2") or SentencePiece ("llama": Llama 2, Mistral v0.1, TinyLlama)."""
+        "gpt2") or SentencePiece ("llama": Llama 2, Mistral v0.1, TinyLlama, Gemma 2 / 3)."""
         checkpoint = checkpoint_or_path
         if not isinstance(checkpoint, GGUFCheckpoint):
             checkpoint = read_gguf(checkpoint)
@@ -412,7 +412,10 @@ def _sentencepiece_bpe_from_gguf(meta: dict[str, Any]) -> BackendTokenizer:
     prepended to the text and to every run of text after a special token: llama.cpp does so
     (`is_prev_special`), and a normalizer runs on each run between added tokens, so Prepend does
     exactly that. (transformers' GGUF converter prepends at the very start only, which differs
-    from llama.cpp on chat prompts: "<s>[INST]" must encode "[INST]" as "▁[INST]".)
+    from llama.cpp on chat prompts: "<s>[INST]" must encode "[INST]" as "▁[INST]".) Gemma's
+    files turn the prefix off, and store its user-defined pieces of whitespace ("▁▁", ...) as
+    spaces: like every user-defined piece they are added tokens, matched whole in the raw text
+    before the BPE runs, as llama.cpp and SentencePiece match them.
     """
     tokens = meta["tokenizer.ggml.tokens"]
     scores = meta.get("tokenizer.ggml.scores")
