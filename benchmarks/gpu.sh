@@ -8,6 +8,8 @@
 #   sharegpt  1 GPU    1,000 ShareGPT requests, pipeserve against FastGen
 #   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
 #   scaling4  4 GPUs   one GPU against tp=4, pp=4 and tp=2 × pp=2 on the same machine (WORKLOADS= to pick)
+#   big4      4 GPUs   the Llama-3-70B shape: DeepSpeed-FastGen tp=4 against pipeserve tp=4, tp=2 × pp=2, pp=4
+#                      (LAYOUTS= and WORKLOADS= to pick; FastGen's wheels in .whl/)
 #   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
 #   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
@@ -32,7 +34,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling scaling4 async coldstart capacity bubbles roofline fp8 tpsteps structured profile"
+SCENARIOS="peers prefix sharegpt scaling scaling4 big4 async coldstart capacity bubbles roofline fp8 tpsteps structured profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -139,6 +141,27 @@ scaling4() {  # ~4-5 min per workload: four runs of about a minute (start-up and
     run "scaling4-$w-tp4" 170 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 4
     run "scaling4-$w-pp4" 170 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --pp 4
     run "scaling4-$w-tp2pp2" 170 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 2 --pp 2
+  done
+}
+
+big4() {  # FastGen ~7 min (141 GB of weights written once, its kernels built ~140 s); pipeserve ~1.5 min a layout and workload
+  need_gpus 4 || return 0
+  local w l dir
+  local workloads=${WORKLOADS:-peers decode-heavy}
+  for l in ${LAYOUTS:-fastgen-tp4 tp4 tp2pp2 pp4}; do
+    if [ "$l" = fastgen-tp4 ]; then  # the weights FastGen reads: in memory when /dev/shm has room
+      dir=$BASE/llama3-70b
+      [ -n "$DRY" ] || [ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -lt 160 ] || dir=/dev/shm/llama3-70b
+      [ -f "$dir/model.safetensors.index.json" ] \
+        || run big4-write 400 "" python3 "$REPO/tools/fastgen_tp.py" write "$dir" --shape llama3-70b $TOK_TOOL
+      run big4-fastgen-tp4 590 0,1,2,3 python3 -m deepspeed.launcher.runner --num_gpus 4 "$REPO/tools/fastgen_tp.py" \
+        run "$dir" --tp 4 --workloads "${workloads// /,}"
+      continue
+    fi
+    local flags=${l/tp4/--tp 4}; flags=${flags/tp2pp2/--tp 2 --pp 2}; flags=${flags/pp4/--pp 4}
+    for w in $workloads; do
+      run "big4-$w-$l" 300 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --shape llama3-70b --workload "$w" $TOK_TOOL $flags
+    done
   done
 }
 

@@ -124,6 +124,35 @@ def scaling4(folder: str):
     return scaling(folder, "scaling4", (("1gpu", "1 GPU"), ("tp4", "tp=4"), ("pp4", "pp=4"), ("tp2pp2", "tp=2 × pp=2")))
 
 
+def big4(folder: str):
+    """The Llama-3-70B shape on four GPUs: FastGen tp=4 (one log, a RESULT line per workload)
+    against pipeserve's layouts (a log per layout and workload)."""
+    fastgen = {}
+    try:
+        with open(os.path.join(folder, "big4-fastgen-tp4.log")) as f:
+            for line in f:
+                if line.startswith("RESULT "):
+                    r = json.loads(line[len("RESULT "):])
+                    fastgen[r["workload"]] = r
+    except OSError:
+        pass
+    rows, figures = [], {}
+    for workload in ("peers", "decode-heavy"):
+        base = fastgen.get(workload)
+        runs = [("DeepSpeed-FastGen tp=4", base)] + [
+            (f"pipeserve {name}", throughput_result(folder, f"big4-{workload}-{layout}"))
+            for layout, name in (("tp4", "tp=4"), ("tp2pp2", "tp=2 × pp=2"), ("pp4", "pp=4"))]
+        for name, r in runs:
+            if r is None:
+                continue
+            ratio = f"{r['total_tok_s'] / base['total_tok_s']:.2f}" if base else "-"
+            rows.append([name, workload, f"{r['output_tok_s']:,.0f}", f"{r['total_tok_s']:,.0f}",
+                         f"{r['wall_s']:.2f}", f"{r['start_s']:.1f}", ratio])
+            figures[f"{workload}-{name}"] = r
+    return table(["system", "workload", "output tok/s", "total tok/s", "wall s", "start-up s", "/ FastGen"],
+                 rows), figures
+
+
 def async_(folder: str):
     """Token feedback (async scheduling) off against scaling's default runs, from one folder
     holding both scenarios' logs (gpu.sh keeps each scenario's folder: pass scaling's too)."""
@@ -315,7 +344,7 @@ def structured(folder: str):
     return table(["requests", "output tokens", "total tok/s", "against plain"], rows), figures
 
 
-SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, async_, coldstart, capacity, bubbles,
+SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, async_, coldstart, capacity, bubbles,
                                                   roofline, fp8, tpsteps, profile, structured)}
 
 

@@ -61,6 +61,15 @@ def model_folder(tokenizer: str | None, num_layers: int | None, shape: str = "ll
     return folder
 
 
+def workload_prompts(workload: str, num_requests: int | None = None, seed: int = 0) -> tuple[list[list[int]], int]:
+    """``workload``'s prompts (random token ids; ``num_requests`` of them, default the workload's)
+    and every request's output length. tools/fastgen_tp.py gives FastGen the same ones."""
+    default_requests, (lo, hi), out_len = WORKLOADS[workload]
+    rng = random.Random(seed)
+    return [[rng.randrange(50000) for _ in range(rng.randint(lo, hi))]
+            for _ in range(num_requests or default_requests)], out_len
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", default=None,
@@ -88,10 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     from pipeserve import LLM, SamplingParams
 
-    num_requests, (lo, hi), out_len = WORKLOADS[args.workload]
-    num_requests = args.num_requests or num_requests
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(50000) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
+    prompts, out_len = workload_prompts(args.workload, args.num_requests, args.seed)
+    num_requests = len(prompts)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True, **penalties)
     if args.json_fraction:  # every round's same requests, spread evenly over the list
