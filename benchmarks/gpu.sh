@@ -16,7 +16,7 @@
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
 #   fp8       1 GPU    FP8 weights against bf16: throughput, KV blocks, decode steps against each floor, greedy agreement
-#   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2, NCCL's sums against symmetric memory, kernels by kind
+#   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind
 #   structured 1 GPU   plain, penalties, a quarter under a JSON schema; xgrammar against outlines-core per token
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
@@ -257,11 +257,13 @@ fp8() {  # ~7 min: four throughput runs, two roofline runs, the agreement of 64 
   tool fp8-agreement 300 0 agreement --layouts fp8 --workdir "$DIR" --out "$DIR/agreement.json"
 }
 
-tpsteps() {  # ~2 min: three runs of tools/tp_steps (start-up and graph capture included)
+tpsteps() {  # ~2 min: three runs of tools/tp_steps (four on 4 GPUs) (start-up and graph capture included)
   need_gpus 2 || return 0
   tool tpsteps-tp1 200 0 tp_steps $TOK_TOOL --profile --out "$DIR/tp1.json"
   run tpsteps-tp2 200 0,1 torchrun --nproc-per-node 2 -m tools.tp_steps $TOK_TOOL --profile --out "$DIR/tp2.json"
   run tpsteps-tp2-nccl 200 0,1 torchrun --nproc-per-node 2 -m tools.tp_steps $TOK_TOOL --nccl --out "$DIR/tp2-nccl.json"
+  [ "$NGPU" -ge 4 ] || return 0
+  run tpsteps-tp4 200 0,1,2,3 torchrun --nproc-per-node 4 -m tools.tp_steps $TOK_TOOL --profile --out "$DIR/tp4.json"
 }
 
 structured() {  # ~8 min: three throughput runs, then the grammar probes (outlines-core's wheel from .whl)

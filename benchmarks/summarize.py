@@ -301,19 +301,39 @@ def fp8(folder: str):
 
 
 def tpsteps(folder: str):
-    runs = {name: load(os.path.join(folder, f"{name}.json")) for name in ("tp1", "tp2", "tp2-nccl")}
+    runs = {name: load(os.path.join(folder, f"{name}.json")) for name in ("tp1", "tp2", "tp2-nccl", "tp4")}
     if runs["tp1"] is None or runs["tp2"] is None:
         return ["tpsteps: no result (see tpsteps-*.log)"], {}
     rows, figures = [], {}
+    four = runs["tp4"]
     for case, one in runs["tp1"]["rows"].items():
         two, nccl = runs["tp2"]["rows"][case], (runs["tp2-nccl"] or {"rows": {}})["rows"].get(case)
         coll = two.get("kernel_ms", {}).get("collective")
-        rows.append([case, f"{one['step_ms']:.2f}", f"{nccl['step_ms']:.2f}" if nccl else "",
-                     f"{two['step_ms']:.2f}", f"{one['step_ms'] / two['step_ms']:.2f}×",
-                     f"{coll:.2f}" if coll is not None else ""])
+        row = [case, f"{one['step_ms']:.2f}", f"{nccl['step_ms']:.2f}" if nccl else "",
+               f"{two['step_ms']:.2f}", f"{one['step_ms'] / two['step_ms']:.2f}×",
+               f"{coll:.2f}" if coll is not None else ""]
         figures[case] = {"tp1_ms": one["step_ms"], "tp2_ms": two["step_ms"],
                          "tp2_nccl_ms": nccl["step_ms"] if nccl else None, "tp2_collective_ms": coll}
-    return table(["step", "tp=1 ms", "tp=2 NCCL ms", "tp=2 ms", "tp=1 / tp=2", "tp=2 sums ms (kernels)"], rows), figures
+        if four is not None:
+            row += [f"{four['rows'][case]['step_ms']:.2f}", f"{one['step_ms'] / four['rows'][case]['step_ms']:.2f}×"]
+            figures[case]["tp4_ms"] = four["rows"][case]["step_ms"]
+        rows.append(row)
+    header = ["step", "tp=1 ms", "tp=2 NCCL ms", "tp=2 ms", "tp=1 / tp=2", "tp=2 sums ms (kernels)"]
+    lines = table(header + (["tp=4 ms", "tp=1 / tp=4"] if four is not None else []), rows)
+    # Kernel time by kind at each tp (rank 0), where the step's time goes as the shard shrinks.
+    profiled = [(name, r) for name, r in (("tp=1", runs["tp1"]), ("tp=2", runs["tp2"]), ("tp=4", four))
+                if r is not None and any("kernel_ms" in c for c in r["rows"].values())]
+    if profiled:
+        kinds = [k for k in next(iter(profiled[0][1]["rows"].values()))["kernel_ms"]]
+        krows = []
+        for case in runs["tp1"]["rows"]:
+            for name, r in profiled:
+                ms_ = r["rows"][case].get("kernel_ms", {})
+                krows.append([case, name] + [f"{ms_.get(k, 0):.2f}" for k in kinds]
+                             + [f"{r['rows'][case]['step_ms']:.2f}"])
+                figures[case][f"{name}_kernel_ms"] = ms_
+        lines += [""] + table(["step", "tp"] + [f"{k} ms" for k in kinds] + ["step ms"], krows)
+    return lines, figures
 
 
 def profile(folder: str):

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--nccl", action="store_true", help="the forward's sums through NCCL, not symmetric memory")
-    p.add_argument("--graph-max-tokens", type=int, default=EngineConfig.cuda_graph_max_tokens,
+    p.add_argument("--graph-max-tokens", type=int, default=EngineConfig.__dataclass_fields__["cuda_graph_max_tokens"].default,
                    help="engine.cuda_graph_max_tokens (default: the engine's)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)

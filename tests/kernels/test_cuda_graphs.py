@@ -457,6 +457,19 @@ def test_gpu_length_scaled_rope_graph_replay_matches_eager(tmp_path, kind):
 
 @pytest.mark.gpu
 @cuda
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_gpu_moe_graph_replay_matches_eager(tmp_path, kind):
+    """The grouped-expert kernel inside captured decode and mixed graphs: its device-side sort
+    by expert, sized for each bucket's worst case, replayed over other tokens and routes."""
+    model = tiny_model(tmp_path, "cuda", torch.float32, kind)
+    twins = TwinRunners(model, device=torch.device("cuda"), max_batch=8, use_graphs=True)
+    compare_decodes(twins, [1, 3, 8, 5, 8, 2, 7], atol=1e-4, margin=1e-3, num_seqs=8)
+    twins = TwinRunners(model, device=torch.device("cuda"), max_batch=8, max_tokens=64, use_graphs=True)
+    compare_mixed(twins, [(10, 3), (30, 2), (0, 4), (20, 6), (40, 1), (12, 8)], atol=1e-4, margin=1e-3)
+
+
+@pytest.mark.gpu
+@cuda
 def test_gpu_graph_replay_exact_bucket_is_bitwise_eager(tmp_path):
     """float32, only exact buckets: the graph runs the very kernels of the eager step on the
     same shapes, so the logits should be bitwise equal (a soft expectation: cuBLAS may pick
