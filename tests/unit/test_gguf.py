@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers_gguf
 from helpers_gguf import (  # noqa: E402
     TINY_LLAMA_CONFIG,
+    _finish,
     smollm2_checkpoint,
     smollm2_installed,
     tiny_llama_state_dict,
@@ -113,6 +115,85 @@ def test_iter_weights_reads_only_the_requested_slice(tmp_path):
         next(ckpt.iter_weights({"model.layers.7.mlp.up_proj.weight"}))
 
 
+def _library_view(path: str) -> tuple[dict, list[tuple]]:
+    """gguf.GGUFReader's metadata and tensors, in read_gguf_header's terms (the reference)."""
+    reader = gguf.GGUFReader(path)
+    fields = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.types[0] == gguf.GGUFValueType.FLOAT32:
+            value = float(str(np.float32(value)))
+        fields[name] = value
+    tensors = [(t.name, t.tensor_type, tuple(int(d) for d in t.shape), t.data) for t in reader.tensors]
+    return fields, tensors
+
+
+def _assert_header_matches_library(path: str) -> None:
+    fields, tensors = gguf_loader.read_gguf_header(path)
+    ref_fields, ref_tensors = _library_view(path)
+    if "t.nested" in fields:  # the library flattens arrays of arrays (its FIXME); this keeps them
+        assert fields["t.nested"] == [[1, 2], [3]] and ref_fields["t.nested"] == [1, 2, 3]
+        fields = dict(fields, **{"t.nested": ref_fields["t.nested"]})
+    assert fields == ref_fields
+    assert [type(v) for v in fields.values()] == [type(v) for v in ref_fields.values()]
+    assert len(tensors) == len(ref_tensors)
+    for t, (name, ttype, shape, data) in zip(tensors, ref_tensors):
+        assert (t.name, t.tensor_type, t.shape) == (name, ttype, shape)
+        assert t.data.dtype == data.dtype and t.data.shape == data.shape and np.array_equal(t.data, data), name
+
+
+@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
+def test_header_reader_matches_the_gguf_library(tmp_path, endianess):
+    """read_gguf_header against gguf.GGUFReader: every value type (scalars, strings, arrays of
+    numbers, strings and arrays), float, half, bf16 and block-quantized tensors, either byte order."""
+    path = str(tmp_path / "all.gguf")
+    writer = gguf.GGUFWriter(path, arch="llama", endianess=endianess)
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -100)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float32("t.f32", 1e-5)
+    writer.add_float64("t.f64", 0.1)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo ▁ 😀")
+    writer.add_array("t.strs", ["a", "", "▁b", "<0x0A>", "日本"])
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.5, -1000.0, 0.1])
+    writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_array("t.empty", [])
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 64)).astype(np.float32)
+    writer.add_tensor("f32", w)
+    writer.add_tensor("f16", w.astype(np.float16))
+    writer.add_tensor("vec", w[0].copy())
+    writer.add_tensor("i32", np.arange(12, dtype=np.int32).reshape(3, 4))
+    if endianess == gguf.GGUFEndian.LITTLE:  # (the writer byte-swaps only plain arrays)
+        for qtype in (gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.Q8_0):
+            writer.add_tensor(qtype.name.lower(), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    _finish(writer)
+    _assert_header_matches_library(path)
+    if endianess == gguf.GGUFEndian.LITTLE:
+        ckpt = gguf_loader.read_gguf_header(path)[1]
+        q8 = next(t for t in ckpt if t.name == "q8_0")
+        assert np.abs(gguf.quants.dequantize(q8.data, q8.tensor_type).reshape(8, 64) - w).max() < 0.05
+
+
+def test_truncated_header_is_a_clear_error(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama_gguf(str(path), tiny_llama_state_dict(TINY_LLAMA_CONFIG), TINY_LLAMA_CONFIG)
+    data = path.read_bytes()
+    for cut in (20, 200, len(data) - 100):
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="truncated"):
+            read_gguf(str(tmp_path / "cut.gguf"))
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "phi3"])
 def test_unsupported_architecture_is_rejected(tmp_path, arch):
     path = str(tmp_path / f"{arch}.gguf")
@@ -143,6 +224,13 @@ def test_default_model_path_explains_how_to_install(monkeypatch):
 
 
 # ---- the real SmolLM2-135M-Instruct Q4_1 GGUF
+
+
+@needs_smollm2
+def test_smollm2_header_matches_the_gguf_library():
+    from pipeserve.runtime.model.gguf_loader import default_model_path
+
+    _assert_header_matches_library(default_model_path())
 
 
 @needs_smollm2
