@@ -85,7 +85,10 @@ def test_pp2_a_local_process_without_the_key_can_neither_read_nor_disturb(pp2):
               AddRequest(request_id="intruder", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=4)),
               AbortRequest(request_id="x")]
     ctx = zmq.Context()
-    spies = []
+    # Forged messages stay queued on sockets refused a connection: closing one with the default
+    # linger would block the context's term forever (so every socket is kept, and lingers 0).
+    ctx.setsockopt(zmq.LINGER, 0)
+    spies, pushes = [], []
     try:
         for port in ports:
             sub, pull, push = ctx.socket(zmq.SUB), ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -96,6 +99,7 @@ def test_pp2_a_local_process_without_the_key_can_neither_read_nor_disturb(pp2):
                 push.send(encode(msg), zmq.NOBLOCK)
             push.send(b"\xc1garbage", zmq.NOBLOCK)
             spies += [sub, pull]
+            pushes.append(push)
         attacked = asyncio.run(run_load(pp2.url, 4))
         assert attacked == quiet
         assert not any(spy.poll(100) for spy in spies)
