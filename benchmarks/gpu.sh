@@ -150,10 +150,14 @@ big4() {  # FastGen ~7 min (141 GB of weights written once, its kernels built ~1
   local workloads=${WORKLOADS:-peers decode-heavy}
   for l in ${LAYOUTS:-fastgen-tp4 tp4 tp2pp2 pp4}; do
     if [ "$l" = fastgen-tp4 ]; then  # the weights FastGen reads: in memory when /dev/shm has room
-      dir=$BASE/llama3-70b
-      [ -n "$DRY" ] || [ "$(df --output=avail -BG /dev/shm | tail -1 | tr -dc 0-9)" -lt 160 ] || dir=/dev/shm/llama3-70b
+      dir=/dev/shm/llama3-70b   # (an earlier invocation's copy is reused)
+      if [ -z "$DRY" ] && [ ! -f "$dir/model.safetensors.index.json" ]; then
+        local room; room=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+        [ "${room:-0}" -ge 160 ] || dir=$BASE/llama3-70b
+      fi
       [ -f "$dir/model.safetensors.index.json" ] \
-        || run big4-write 400 "" python3 "$REPO/tools/fastgen_tp.py" write "$dir" --shape llama3-70b $TOK_TOOL
+        || run big4-write 400 "" python3 "$REPO/tools/fastgen_tp.py" write "$dir" --shape llama3-70b $TOK_TOOL \
+        || continue
       run big4-fastgen-tp4 590 0,1,2,3 python3 -m deepspeed.launcher.runner --num_gpus 4 "$REPO/tools/fastgen_tp.py" \
         run "$dir" --tp 4 --workloads "${workloads// /,}"
       continue

@@ -137,20 +137,30 @@ def big4(folder: str):
     except OSError:
         pass
     rows, figures = [], {}
-    for workload in ("peers", "decode-heavy"):
+    logs = [f for f in os.listdir(folder) if f.startswith("big4-") and f.endswith(".log")] if os.path.isdir(folder) else []
+    workloads = sorted(set(fastgen) | {w for w in WORKLOADS_BIG4 if any(f.startswith(f"big4-{w}-") for f in logs)})
+    for workload in workloads:
         base = fastgen.get(workload)
-        runs = [("DeepSpeed-FastGen tp=4", base)] + [
-            (f"pipeserve {name}", throughput_result(folder, f"big4-{workload}-{layout}"))
+        runs = [("DeepSpeed-FastGen tp=4", "fastgen-tp4", base)] + [
+            (f"pipeserve {name}", layout, throughput_result(folder, f"big4-{workload}-{layout}"))
             for layout, name in (("tp4", "tp=4"), ("tp2pp2", "tp=2 × pp=2"), ("pp4", "pp=4"))]
-        for name, r in runs:
+        for name, layout, r in runs:
             if r is None:
+                ran = layout == "fastgen-tp4" and "big4-fastgen-tp4.log" in logs or f"big4-{workload}-{layout}.log" in logs
+                if ran:  # a run that left no result (its log says why)
+                    rows.append([name, workload, "no result", "", "", "", ""])
                 continue
             ratio = f"{r['total_tok_s'] / base['total_tok_s']:.2f}" if base else "-"
-            rows.append([name, workload, f"{r['output_tok_s']:,.0f}", f"{r['total_tok_s']:,.0f}",
-                         f"{r['wall_s']:.2f}", f"{r['start_s']:.1f}", ratio])
+            short = r.get("requests_short_of_their_length")
+            rows.append([name + (f" ({short} requests short)" if short else ""), workload, f"{r['output_tok_s']:,.0f}",
+                         f"{r['total_tok_s']:,.0f}", f"{r['wall_s']:.2f}", f"{r['start_s']:.1f}", ratio])
             figures[f"{workload}-{name}"] = r
+    # FastGen's start-up includes its kernel build and reading the weights; pipeserve draws random ones.
     return table(["system", "workload", "output tok/s", "total tok/s", "wall s", "start-up s", "/ FastGen"],
                  rows), figures
+
+
+WORKLOADS_BIG4 = ("peers", "decode-heavy", "uniform")
 
 
 def async_(folder: str):

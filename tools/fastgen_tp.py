@@ -9,9 +9,13 @@ comparison with pipeserve's layouts on one machine:
 ``write`` lays out a Hugging Face folder (config, tokenizer, sharded safetensors with an index)
 with random bf16 weights: a 128 MB block of N(0, 0.02) values tiled through every matrix, each
 matrix starting at its own offset, norms at one. It writes the safetensors files directly, a
-tensor at a time from the block, so the 141 GB of the 70B shape need no host memory beyond it
-and go to disk at its speed. FastGen reads the folder; pipeserve's runs (throughput.py) draw
+tensor at a time from the block (no host memory beyond it, unless the folder is in /dev/shm:
+then the files are the memory). FastGen reads the folder; pipeserve's runs (throughput.py) draw
 their own random weights: throughput does not depend on the values.
+
+FastGen runs at MII's defaults, as a user gets it: at most 768 tokens and 512 sequences a
+forward (DeepSpeed's ``DSStateManagerConfig``); pipeserve's runs take 2,048 tokens and 256
+sequences. ``--max-ragged-batch-size 2048`` gives FastGen pipeserve's token budget.
 
 ``run`` is started by DeepSpeed's launcher, one process per GPU (it sets LOCAL_SIZE, which
 FastGen's tensor-parallel code needs); every rank builds the MII pipeline and submits the same
@@ -105,6 +109,9 @@ def write_folder(folder: str, *, shape: str, tokenizer: str | None, num_layers: 
     from pipeserve.runtime.bench import dummy_model
 
     layers = num_layers or dummy_model.SHAPES[shape]["num_hidden_layers"]
+    index_path = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index_path):  # written last: a folder without it is incomplete
+        os.remove(index_path)
     dummy_model.write_model_folder(folder, shape=shape, num_layers=layers, tokenizer=tokenizer)
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
@@ -128,12 +135,13 @@ def write_folder(folder: str, *, shape: str, tokenizer: str | None, num_layers: 
     total = sum(2 * _numel(s) for shard in shards for _, s in shard)
     index = {"metadata": {"total_size": total},
              "weight_map": {name: file for file, shard in zip(files, shards) for name, _ in shard}}
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+    with open(f"{index_path}.tmp", "w") as f:
         json.dump(index, f)
+    os.replace(f"{index_path}.tmp", index_path)
     print(f"wrote {total / 1e9:.1f} GB in {len(files)} files in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def run(folder: str, *, tp: int, workloads: list[str], seed: int) -> None:
+def run(folder: str, *, tp: int, workloads: list[str], seed: int, max_ragged_batch_size: int | None) -> None:
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder chokes on '9.0a'
     import mii
     import torch
@@ -143,7 +151,9 @@ def run(folder: str, *, tp: int, workloads: list[str], seed: int) -> None:
     throughput = _throughput()
     rank = int(os.environ.get("RANK", "0"))
     t0 = time.perf_counter()
-    pipe = mii.pipeline(folder, tensor_parallel=tp)
+    engine = {} if max_ragged_batch_size is None else {
+        "inference_engine_config": {"state_manager": {"max_ragged_batch_size": max_ragged_batch_size}}}
+    pipe = mii.pipeline(folder, tensor_parallel=tp, **engine)
     start_s = time.perf_counter() - t0
     warm, _ = throughput.workload_prompts("peers", 8, seed)
     fastgen_generate(pipe, warm, [8] * len(warm))  # kernels and allocations that appear only at run time
@@ -161,6 +171,7 @@ def run(folder: str, *, tp: int, workloads: list[str], seed: int) -> None:
         out_tokens = out_len * len(prompts)
         short = sum(r.generated_length != out_len for r in responses)
         result = {"system": "fastgen", "workload": workload, "tp": tp, "requests": len(prompts),
+                  "max_ragged_batch_size": max_ragged_batch_size or 768,
                   "prompt_tokens": prompt_tokens, "output_tokens": out_tokens, "wall_s": round(wall, 3),
                   "output_tok_s": round(out_tokens / wall, 1),
                   "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1), "start_s": round(start_s, 1),
@@ -182,11 +193,14 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--tp", type=int, required=True)
     r.add_argument("--workloads", default="peers,decode-heavy", help="throughput.py workloads, comma-separated")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--max-ragged-batch-size", type=int, default=None,
+                   help="FastGen's tokens per forward (default: DeepSpeed's, 768)")
     args = p.parse_args(argv)
     if args.command == "write":
         write_folder(args.folder, shape=args.shape, tokenizer=args.tokenizer, num_layers=args.num_layers)
     else:
-        run(args.folder, tp=args.tp, workloads=[x for x in args.workloads.split(",") if x], seed=args.seed)
+        run(args.folder, tp=args.tp, workloads=[x for x in args.workloads.split(",") if x], seed=args.seed,
+            max_ragged_batch_size=args.max_ragged_batch_size)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ dequantizes only those rows or columns.
 """
 
 import importlib.util
+import math
 import mmap
 import os
 import re
@@ -246,8 +247,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     path = os.fspath(path)
     _check_is_gguf(path)
     fields, file_tensors = read_gguf_header(path)
-    metadata = {name: value for name, value in fields.items() if not isinstance(value, list)}
-    arch = metadata.get("general.architecture")
+    arch = fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{path}: GGUF architecture {arch!r} is not supported; "
@@ -259,7 +259,7 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     return GGUFCheckpoint(
         path=path,
         architecture=arch,
-        config=_hf_config(arch, metadata | tokenizer_metadata, tensors),
+        config=_hf_config(arch, fields, tensors),
         tokenizer_metadata=tokenizer_metadata,
         weight_names=tuple(tensors),
         _tensors=tensors,
@@ -300,90 +300,117 @@ _TENSOR_ITEM_TYPES = {gguf.GGMLQuantizationType.F16: np.float16, gguf.GGMLQuanti
 def read_gguf_header(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """A GGUF file's metadata (key: Python value; arrays as lists) and its tensors (views of
     the memory-mapped file), the values `gguf.GGUFReader` gives (`tests/unit/test_gguf.py`
-    compares them) read sequentially from the header's bytes.
+    compares them) read sequentially from the header's bytes. Raises ValueError, naming the
+    file and the byte, for anything malformed: a truncated header, an unknown type, a repeated
+    key or tensor, a tensor past the end of the file; and for a big-endian file.
 
     The reader parses every array element through numpy views of a memmap: 6.6 s for SmolLM2's
     49k-token vocabulary on a 2-core CPU, paid by every process that opens the file (each worker
     of a layout, the engine for the tokenizer); this reads the same header in about 0.1 s."""
-    with open(path, "rb") as f:  # (the map outlives the descriptor; it goes with the reader)
-        reader = _HeaderReader(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), path)
-    fields = {reader.string(): reader.value(reader.scalar("I")) for _ in range(reader.kv_count)}
-    infos = [(reader.string(), [reader.scalar("Q") for _ in range(reader.scalar("I"))], reader.scalar("I"),
-              reader.scalar("Q")) for _ in range(reader.tensor_count)]
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # (outlives the descriptor)
+    reader = _HeaderReader(buf)
+    try:
+        fields, infos = reader.read()
+        tensors = _tensor_views(path, infos, start=_data_start(fields, reader.pos))
+    except (ValueError, KeyError, struct.error, UnicodeDecodeError, OverflowError, RecursionError) as e:
+        raise ValueError(f"{path}: malformed GGUF header (at byte {reader.pos}): {e}") from None
+    return fields, tensors
+
+
+def _data_start(fields: dict[str, Any], header_end: int) -> int:
     alignment = fields.get("general.alignment", 32)
-    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
-        raise ValueError(f"{path}: general.alignment must be a power of two, got {alignment!r}")
-    start = -(-reader.pos // alignment) * alignment
+    if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment must be a power of two, got {alignment!r}")
+    return -(-header_end // alignment) * alignment
+
+
+def _tensor_views(path: str, infos: list[tuple[str, list[int], int, int]], *, start: int) -> list[GGUFTensor]:
+    """Each tensor's bytes in the memory-mapped file, typed and shaped as gguf.GGUFReader does."""
     data = np.memmap(path, mode="r")
     tensors, names = [], set()
     for name, dims, raw_type, offset in infos:
         if name in names:
-            raise ValueError(f"{path}: tensor {name!r} appears twice")
+            raise ValueError(f"tensor {name!r} appears twice")
         names.add(name)
         ggml_type = gguf.GGMLQuantizationType(raw_type)
-        n_elements = int(np.prod(dims, dtype=np.int64)) if dims else 1
+        n_elements = math.prod(dims)
         block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
         np_dims = tuple(reversed(dims))
         item_type = _TENSOR_ITEM_TYPES.get(ggml_type)
-        if item_type is None:
-            item_type, count, np_dims = np.uint8, n_elements * type_size // block, gguf.quant_shape_to_byte_shape(
-                np_dims, ggml_type)
+        if item_type is None:  # quantized (and bf16): rows of bytes
+            if dims and dims[0] % block:
+                raise ValueError(f"tensor {name!r}: rows of {dims[0]} values are not whole {ggml_type.name} blocks")
+            item_type, nbytes, np_dims = np.uint8, n_elements * type_size // block, \
+                gguf.quant_shape_to_byte_shape(np_dims, ggml_type)
         else:
-            count = n_elements
+            nbytes = n_elements * np.dtype(item_type).itemsize
         begin = start + offset
-        end = begin + count * np.dtype(item_type).itemsize
-        if end > len(data):
-            raise ValueError(f"{path}: tensor {name!r} runs past the end of the file (truncated?)")
-        view = np.asarray(data[begin:end]).view(np.dtype(item_type).newbyteorder(reader.order)).reshape(np_dims)
-        tensors.append(GGUFTensor(name, ggml_type, tuple(dims), view))
-    return fields, tensors
+        if begin + nbytes > len(data):
+            raise ValueError(f"tensor {name!r} runs past the end of the file (truncated?)")
+        tensors.append(GGUFTensor(name, ggml_type, tuple(dims),
+                                  np.asarray(data[begin:begin + nbytes]).view(item_type).reshape(np_dims)))
+    return tensors
 
 
 class _HeaderReader:
-    """Sequential reads of a GGUF header: magic, version, counts, then values on demand."""
+    """Sequential reads of a little-endian GGUF header (v2 / v3), from after the magic."""
 
-    def __init__(self, buf, path: str) -> None:
-        self.buf, self.path, self.pos = buf, path, 4
-        version = struct.unpack_from("<I", buf, 4)[0]
-        self.order = "<" if version & 0xFFFF else ">"  # a file written on the other byte order
+    _MAX_DEPTH = 8  # arrays of arrays: llama.cpp writes none deeper than 2
+
+    def __init__(self, buf) -> None:
+        self.buf, self.pos = buf, 4
+
+    def read(self) -> tuple[dict[str, Any], list[tuple[str, list[int], int, int]]]:
         version = self.scalar("I")
         if version not in (2, 3):
-            raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3)")
-        self.tensor_count, self.kv_count = self.scalar("Q"), self.scalar("Q")
+            if version & 0xFFFF == 0 and (version >> 24) in (2, 3):
+                raise ValueError("big-endian GGUF files are not supported")
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        tensor_count, kv_count = self.scalar("Q"), self.scalar("Q")
+        fields: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key = self.string()
+            if key in fields:
+                raise ValueError(f"metadata key {key!r} appears twice")
+            fields[key] = self.value(self.scalar("I"))
+        infos = []
+        for _ in range(tensor_count):
+            name, n_dims = self.string(), self.scalar("I")
+            infos.append((name, [self.scalar("Q") for _ in range(n_dims)], self.scalar("I"), self.scalar("Q")))
+        return fields, infos
+
+    def _take(self, n: int) -> int:
+        """The position of the next n bytes, which must be in the file."""
+        if self.pos + n > len(self.buf):
+            raise ValueError("the header ends early (truncated file?)")
+        pos, self.pos = self.pos, self.pos + n
+        return pos
 
     def scalar(self, fmt: str):
-        try:
-            value = struct.unpack_from(self.order + fmt, self.buf, self.pos)[0]
-        except struct.error:
-            raise ValueError(f"{self.path}: the GGUF header ends early (truncated file?)") from None
-        self.pos += struct.calcsize(fmt)
-        return value
+        return struct.unpack_from("<" + fmt, self.buf, self._take(struct.calcsize(fmt)))[0]
 
     def string(self) -> str:
         n = self.scalar("Q")
-        if self.pos + n > len(self.buf):
-            raise ValueError(f"{self.path}: the GGUF header ends early (truncated file?)")
-        text = self.buf[self.pos:self.pos + n].decode("utf-8")
-        self.pos += n
-        return text
+        pos = self._take(n)
+        return self.buf[pos:pos + n].decode("utf-8")
 
-    def value(self, raw_type: int) -> Any:
+    def value(self, raw_type: int, depth: int = 0) -> Any:
         vtype = _VT(raw_type)
         if vtype == _VT.STRING:
             return self.string()
         if vtype == _VT.ARRAY:
+            if depth >= self._MAX_DEPTH:
+                raise ValueError(f"arrays nested deeper than {self._MAX_DEPTH}")
             item_type, n = _VT(self.scalar("I")), self.scalar("Q")
             if item_type in (_VT.STRING, _VT.ARRAY):
-                return [self.value(item_type) for _ in range(n)]
-            dtype = np.dtype(self.order + _SCALAR_CODES[item_type])
-            if self.pos + n * dtype.itemsize > len(self.buf):
-                raise ValueError(f"{self.path}: the GGUF header ends early (truncated file?)")
-            values = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).tolist()
-            self.pos += n * dtype.itemsize
-            return values
-        dtype = np.dtype(self.order + _SCALAR_CODES[vtype])
-        value = np.frombuffer(self.buf, dtype=dtype, count=1, offset=self.pos)[0]
-        self.pos += dtype.itemsize
+                return [self.value(item_type, depth + 1) for _ in range(n)]
+            dtype = np.dtype("<" + _SCALAR_CODES[item_type])
+            return np.frombuffer(self.buf, dtype=dtype, count=n, offset=self._take(n * dtype.itemsize)).tolist()
+        dtype = np.dtype("<" + _SCALAR_CODES[vtype])
+        value = np.frombuffer(self.buf, dtype=dtype, count=1, offset=self._take(dtype.itemsize))[0]
         if vtype == _VT.FLOAT32:  # the shortest decimal that round-trips: 1e-05, not 9.999999747378752e-06
             return float(str(value))
         return value.item()
@@ -402,14 +429,17 @@ def _hf_name(gguf_name: str, path: str, block_names: dict[str, str]) -> str:
     raise ValueError(f"{path}: unsupported GGUF tensor {gguf_name!r}{hint}")
 
 
-def _hf_config(arch: str, metadata: dict[str, Any], tensors: dict[str, gguf.ReaderTensor]) -> dict[str, Any]:
+def _hf_config(arch: str, metadata: dict[str, Any], tensors: dict[str, GGUFTensor]) -> dict[str, Any]:
     def key(name: str, default: Any = None) -> Any:
-        return metadata.get(f"{arch}.{name}", default)
+        value = metadata.get(f"{arch}.{name}", default)
+        if isinstance(value, list):  # per-layer values (some converters write head counts so)
+            raise ValueError(f"GGUF metadata {arch}.{name} holds one value per layer; only one for all is supported")
+        return value
 
     def required(name: str) -> Any:
         if f"{arch}.{name}" not in metadata:
             raise ValueError(f"GGUF metadata lacks {arch}.{name}")
-        return metadata[f"{arch}.{name}"]
+        return key(name)
 
     if "model.embed_tokens.weight" not in tensors:
         raise ValueError("GGUF file has no token_embd.weight tensor")

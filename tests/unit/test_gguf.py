@@ -3,6 +3,7 @@ transformers' own GGUF dequantization and q/k un-permutation."""
 
 import json
 import os
+import struct
 import sys
 from pathlib import Path
 
@@ -144,12 +145,11 @@ def _assert_header_matches_library(path: str) -> None:
         assert t.data.dtype == data.dtype and t.data.shape == data.shape and np.array_equal(t.data, data), name
 
 
-@pytest.mark.parametrize("endianess", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG], ids=["little", "big"])
-def test_header_reader_matches_the_gguf_library(tmp_path, endianess):
+def test_header_reader_matches_the_gguf_library(tmp_path):
     """read_gguf_header against gguf.GGUFReader: every value type (scalars, strings, arrays of
-    numbers, strings and arrays), float, half, bf16 and block-quantized tensors, either byte order."""
+    numbers, strings and arrays), float, half, integer, bf16 and block-quantized tensors."""
     path = str(tmp_path / "all.gguf")
-    writer = gguf.GGUFWriter(path, arch="llama", endianess=endianess)
+    writer = gguf.GGUFWriter(path, arch="llama")
     writer.add_uint8("t.u8", 200)
     writer.add_int8("t.i8", -100)
     writer.add_uint16("t.u16", 60000)
@@ -173,25 +173,77 @@ def test_header_reader_matches_the_gguf_library(tmp_path, endianess):
     writer.add_tensor("f16", w.astype(np.float16))
     writer.add_tensor("vec", w[0].copy())
     writer.add_tensor("i32", np.arange(12, dtype=np.int32).reshape(3, 4))
-    if endianess == gguf.GGUFEndian.LITTLE:  # (the writer byte-swaps only plain arrays)
-        for qtype in (gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.Q8_0):
-            writer.add_tensor(qtype.name.lower(), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    for qtype in (gguf.GGMLQuantizationType.BF16, gguf.GGMLQuantizationType.Q8_0):
+        writer.add_tensor(qtype.name.lower(), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
     _finish(writer)
     _assert_header_matches_library(path)
-    if endianess == gguf.GGUFEndian.LITTLE:
-        ckpt = gguf_loader.read_gguf_header(path)[1]
-        q8 = next(t for t in ckpt if t.name == "q8_0")
-        assert np.abs(gguf.quants.dequantize(q8.data, q8.tensor_type).reshape(8, 64) - w).max() < 0.05
+    q8 = next(t for t in gguf_loader.read_gguf_header(path)[1] if t.name == "q8_0")
+    assert np.abs(gguf.quants.dequantize(q8.data, q8.tensor_type).reshape(8, 64) - w).max() < 0.05
+
+
+def test_big_endian_files_are_a_clear_error(tmp_path):
+    path = str(tmp_path / "big.gguf")
+    writer = gguf.GGUFWriter(path, arch="llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_tensor("f32", np.ones((2, 4), dtype=np.float32))
+    _finish(writer)
+    with pytest.raises(ValueError, match="big-endian GGUF files are not supported"):
+        read_gguf(path)
 
 
 def test_truncated_header_is_a_clear_error(tmp_path):
+    """Cut anywhere in the header or the tensors' data: a ValueError naming the file."""
     path = tmp_path / "tiny.gguf"
     write_tiny_llama_gguf(str(path), tiny_llama_state_dict(TINY_LLAMA_CONFIG), TINY_LLAMA_CONFIG)
     data = path.read_bytes()
-    for cut in (20, 200, len(data) - 100):
-        (tmp_path / "cut.gguf").write_bytes(data[:cut])
-        with pytest.raises(ValueError, match="truncated"):
-            read_gguf(str(tmp_path / "cut.gguf"))
+    cut = tmp_path / "cut.gguf"
+    for n in [*range(4, gguf.GGUFReader(str(path)).data_offset, 7), len(data) - 100]:
+        cut.write_bytes(data[:n])
+        with pytest.raises(ValueError, match=f"{cut}: malformed GGUF header .*(truncated|ends early)"):
+            read_gguf(str(cut))
+
+
+def test_per_layer_metadata_is_a_clear_error(tmp_path):
+    """A head count given per layer (an array) is refused, not read as absent."""
+    path = str(tmp_path / "per_layer.gguf")
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_block_count(2)
+    writer.add_context_length(64)
+    writer.add_embedding_length(16)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(4)
+    writer.add_head_count_kv([2, 4])
+    writer.add_tensor("token_embd.weight", np.zeros((8, 16), dtype=np.float32))
+    _finish(writer)
+    with pytest.raises(ValueError, match="llama.attention.head_count_kv holds one value per layer"):
+        read_gguf(path)
+
+
+def _raw_gguf(kvs: list[tuple[str, int, bytes]], version: int = 3) -> bytes:
+    """A GGUF header of (key, value type, value bytes) entries and no tensors."""
+    out = b"GGUF" + struct.pack("<IQQ", version, 0, len(kvs))
+    for key, vtype, value in kvs:
+        out += struct.pack("<Q", len(key)) + key.encode() + struct.pack("<I", vtype) + value
+    return out
+
+
+def _raw_str(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+@pytest.mark.parametrize(("kvs", "version", "message"), [
+    ([("general.architecture", 8, _raw_str(b"llama")), ("general.architecture", 8, _raw_str(b"qwen2"))], 3,
+     "key 'general.architecture' appears twice"),
+    ([("general.architecture", 99, b"")], 3, "99 is not a valid GGUFValueType"),
+    ([("general.architecture", 8, _raw_str(b"\xff\xfe"))], 3, "can't decode"),
+    ([("general.alignment", 7, b"\x01")], 3, "general.alignment must be a power of two, got True"),
+    ([("general.alignment", 4, struct.pack("<I", 24))], 3, "general.alignment must be a power of two, got 24"),
+    ([], 1, "GGUF version 1 is not supported"),
+], ids=["duplicate-key", "unknown-type", "bad-utf8", "bool-alignment", "odd-alignment", "version-1"])
+def test_malformed_header_is_a_clear_error(tmp_path, kvs, version, message):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(_raw_gguf(kvs, version))
+    with pytest.raises(ValueError, match=f"{path}: malformed GGUF header .*{message}"):
+        read_gguf(str(path))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "phi3"])
