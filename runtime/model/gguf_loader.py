@@ -537,9 +537,11 @@ _GEMMA_END_OF_TURN = "<end_of_turn>"
 
 
 def gguf_eos_token_ids(metadata: dict[str, Any]) -> tuple[int, ...]:
-    """EOS, then end-of-turn and end-of-message ids: every id llama.cpp's metadata says ends
-    generation. llama.cpp also ends at Gemma's "<end_of_turn>", which it finds by its text in
-    `tokenizer.ggml.tokens` (Gemma's converter writes no end-of-turn id), and so does this."""
+    """EOS, then end-of-turn and end-of-message ids: every id the file's metadata says ends
+    generation, and Gemma's "<end_of_turn>", found by its text in `tokenizer.ggml.tokens`
+    (Gemma's converter writes no end-of-turn id, and a Gemma chat turn ends with it). llama.cpp
+    recognises more end tokens by their text ("<|im_end|>", "<|eot_id|>", ...); those are not
+    added: a chat model's file names its own in the metadata, which is what vLLM reads too."""
     ids = [metadata.get(f"tokenizer.ggml.{kind}_token_id") for kind in ("eos", "eot", "eom")]
     tokens = metadata.get("tokenizer.ggml.tokens") or ()
     if _GEMMA_END_OF_TURN in tokens:
