@@ -16,6 +16,7 @@
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
 #   fp8       1 GPU    FP8 weights against bf16: throughput, KV blocks, decode steps against each floor, greedy agreement
+#   ranks     2-4 GPUs per-step timelines of every rank at tp=2 (tp=4 on 4 GPUs): which rank starts late, device gaps
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind
 #   structured 1 GPU   plain, penalties, a quarter under a JSON schema; xgrammar against outlines-core per token
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
@@ -34,7 +35,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling scaling4 big4 async coldstart capacity bubbles roofline fp8 tpsteps structured profile"
+SCENARIOS="peers prefix sharegpt scaling scaling4 big4 async coldstart capacity bubbles roofline fp8 ranks tpsteps structured profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -259,6 +260,18 @@ fp8() {  # ~7 min: four throughput runs, two roofline runs, the agreement of 64 
   tool fp8-roofline-bf16 200 0 roofline $TOK_TOOL --out "$DIR/roofline-bf16.json"
   tool fp8-roofline-fp8 200 0 roofline $TOK_TOOL --quantization fp8 --out "$DIR/roofline-fp8.json"
   tool fp8-agreement 300 0 agreement --layouts fp8 --workdir "$DIR" --out "$DIR/agreement.json"
+}
+
+ranks() {  # ~3 min: both scaling workloads at tp=2 (tp=4 on 4 GPUs), every rank's step timeline
+  need_gpus 2 || return 0
+  local w tp=2 gpus=0,1
+  [ "$NGPU" -ge 4 ] && tp=4 gpus=0,1,2,3
+  for w in ${WORKLOADS:-decode-heavy uniform}; do
+    rm -rf "$DIR/ranks-$w"
+    (export PIPESERVE_STAGE_STATS_DIR=$DIR/ranks-$w
+     run "ranks-$w" 200 $gpus python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp $tp)
+    run "ranks-$w-table" 60 "" python3 -m tools.rank_lag "$DIR/ranks-$w" --out "$DIR/ranks-$w.json"
+  done
 }
 
 tpsteps() {  # ~2 min: three runs of tools/tp_steps (four on 4 GPUs) (start-up and graph capture included)

@@ -374,7 +374,22 @@ def structured(folder: str):
     return table(["requests", "output tokens", "total tok/s", "against plain"], rows), figures
 
 
-SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, async_, coldstart, capacity, bubbles,
+def ranks(folder: str):
+    """tools/rank_lag's rows of each workload's run (and the run's throughput)."""
+    lines, figures = [], {}
+    for workload in SCALING_WORKLOADS:
+        rows, r = load(os.path.join(folder, f"ranks-{workload}.json")), throughput_result(folder, f"ranks-{workload}")
+        if rows is None or r is None:
+            continue
+        lines += [f"{workload}: tp={r['tp']}, {r['total_tok_s']:,.0f} tok/s, {r['wall_s']:.2f} s", ""]
+        lines += table(["rank", "steps", "compute ms", "gap ms", "gaps s", "late ms", "host ahead ms", "host-bound"],
+                       [[x["rank"], x["steps"], x["compute_ms"], x["gap_ms"], x["gap_total_s"], x["late_ms"],
+                         x["host_ahead_ms"], x["host_bound"]] for x in rows]) + [""]
+        figures[workload] = {"throughput": r, "ranks": rows}
+    return (lines or ["ranks: no result (see ranks-*.log)"]), figures
+
+
+SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, ranks, async_, coldstart, capacity, bubbles,
                                                   roofline, fp8, tpsteps, profile, structured)}
 
 
