@@ -33,14 +33,17 @@ import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-import xgrammar as xgr
 
 from pipeserve.parallel.wire import SeqPlan, StepPlan
 from pipeserve.runtime.worker.batch import host_to_device
 from pipeserve.scheduler.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 FILL_THREADS = 1
 """xgrammar's threads for one step's masks: one. A row fills in a few µs (up to a hundred on a
@@ -49,12 +52,21 @@ batch --threads 1,2,4,8``; BENCHMARKS.md, "Sampling controls and structured outp
 _ERROR_PREFIX = re.compile(r"^\[[^\]]*\] [^ ]*: (Check failed: \(.*\) is false: )?")
 
 
+def _xgrammar():
+    """xgrammar, imported on first use: it imports transformers (about 1.5 s on a 2-core CPU),
+    which a process serving no structured output (every worker, until one comes) never needs."""
+    import xgrammar
+
+    return xgrammar
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; results are cached by spec."""
 
     def __init__(self, tokenizer, *, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         """``tokenizer``: pipeserve's; ``vocab_size``: the model's logits width (may exceed the
         tokenizer's); EOS ends a finished constraint."""
+        xgr = _xgrammar()
         encoded = [""] * vocab_size
         for text, token_id in tokenizer.backend.get_vocab(with_added_tokens=True).items():
             if token_id < vocab_size:
@@ -92,6 +104,7 @@ def _vocab_encoding(backend) -> tuple[xgr.VocabType, bool]:
     """How the vocabulary spells bytes (its decoder says: GPT-2's byte-level alphabet, or
     SentencePiece's ``<0xNN>`` byte fallback with ``▁`` for spaces), and whether the encoder
     prepends a space."""
+    xgr = _xgrammar()
     spec = json.loads(backend.to_str())
     decoder = json.dumps(spec.get("decoder"))
     if "ByteLevel" in decoder:
@@ -137,6 +150,7 @@ class GrammarState:
         self.compiler = compiler
         self.device = device
         self._matched: dict[str, _Matched] = {}
+        xgr = _xgrammar()
         self._filler = xgr.BatchGrammarMatcher(FILL_THREADS)
         self._width = xgr.get_bitmask_shape(1, compiler.vocab_size)[1]
         self._eos_only = torch.zeros(self._width, dtype=torch.int32)
@@ -217,7 +231,7 @@ class GrammarState:
         state = self._matched.get(seq.request_id)
         if state is None:
             compiled = self.compiler.compile(seq.sampling.structured_outputs)
-            state = self._matched[seq.request_id] = _Matched(xgr.GrammarMatcher(compiled))
+            state = self._matched[seq.request_id] = _Matched(_xgrammar().GrammarMatcher(compiled))
         assert seq.num_output_tokens <= len(state.accepted), (
             f"{seq.request_id}: output {seq.num_output_tokens} sampled before its matcher saw the earlier ones")
         if seq.num_output_tokens < len(state.accepted):  # preempted: outputs after this one were dropped
@@ -252,5 +266,5 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: TokenBitmask, rows: slice
             index = index - rows.start
         bits = bits.new_full((logits.shape[0], bits.shape[1]), -1).index_copy_(0, index, bits)  # [n, W]
     out = logits.clone()
-    xgr.apply_token_bitmask_inplace(out, bits)
+    _xgrammar().apply_token_bitmask_inplace(out, bits)
     return out
