@@ -182,6 +182,23 @@ def tiny_bpe_tokenizer(
     }
 
 
+def train_sentencepiece(corpus: list[str], **options: Any) -> bytes:
+    """A SentencePiece BPE model (serialized) trained on ``corpus``: 420 pieces, byte fallback,
+    whitespace kept, digits split, no normalization, one thread, quiet; ``options`` add to
+    (or override) these trainer options."""
+    import io
+
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(**{
+        "sentence_iterator": iter(corpus), "model_writer": model, "model_type": "bpe", "vocab_size": 420,
+        "byte_fallback": True, "character_coverage": 1.0, "remove_extra_whitespaces": False,
+        "allow_whitespace_only_pieces": True, "split_digits": True, "normalization_rule_name": "identity",
+        "num_threads": 1, "minloglevel": 2, **options})
+    return model.getvalue()
+
+
 def sentencepiece_gguf_tokenizer(model_proto: bytes, user_defined: tuple[str, ...] = ()) -> dict[str, Any]:
     """The "llama" (SPM) vocabulary llama.cpp's converter writes for a SentencePiece model
     (its `_create_vocab_sentencepiece`: every piece with its score and type), `user_defined`

@@ -245,7 +245,6 @@ def read_gguf(path: str) -> GGUFCheckpoint:
     does not know how to name.
     """
     path = os.fspath(path)
-    _check_is_gguf(path)
     fields, file_tensors = read_gguf_header(path)
     arch = fields.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -307,9 +306,8 @@ def read_gguf_header(path: str) -> tuple[dict[str, Any], list[GGUFTensor]]:
     The reader parses every array element through numpy views of a memmap: 6.6 s for SmolLM2's
     49k-token vocabulary on a 2-core CPU, paid by every process that opens the file (each worker
     of a layout, the engine for the tokenizer); this reads the same header in about 0.1 s."""
+    _check_is_gguf(path)
     with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file (no GGUF magic)")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # (outlives the descriptor)
     reader = _HeaderReader(buf)
     try:

@@ -1,7 +1,7 @@
 """Structured outputs (guided decoding) with xgrammar: a request's JSON schema, regex, choice or
 EBNF grammar becomes a token mask each step. xgrammar rather than outlines-core, which expresses
 regular languages only (no json_object, no EBNF), compiles schemas far more slowly and costs more
-per token on average (``tools/grammar_overhead.py``; BENCHMARKS.md, "Grammar library").
+per token on average (``python -m tools.grammar_overhead`` compares the two).
 
 The engine compiles a request's constraint when it adds the request (``GrammarCompiler.compile``:
 a bad schema, regex or grammar is a ValueError there, before anything is scheduled). The spec
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 FILL_THREADS = 1
 """xgrammar's threads for one step's masks: one. A row fills in a few µs (up to a hundred on a
 128k vocabulary), less than handing rows to more threads costs (``python -m tools.grammar_steps
-batch --threads 1,2,4,8``; BENCHMARKS.md, "Sampling controls and structured outputs")."""
+batch --threads 1,2,4,8`` times each)."""
 _ERROR_PREFIX = re.compile(r"^\[[^\]]*\] [^ ]*: (Check failed: \(.*\) is false: )?")
 
 

@@ -5,7 +5,6 @@ original model from them (so the files are laid out as llama.cpp's), and so does
 loader, with the tokenizer of the SentencePiece model the vocabulary came from."""
 
 import dataclasses
-import io
 import json
 import os
 import sys
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 from helpers_gguf import (  # noqa: E402
     gemma_gguf_metadata,
     gemma_gguf_tokenizer,
+    train_sentencepiece,
     write_tiny_gemma_gguf,
     write_tiny_gguf,
 )
@@ -68,16 +68,10 @@ def sp_model() -> bytes:
     """A SentencePiece BPE model trained as Gemma's is: byte fallback, no dummy prefix,
     whitespace kept, digits split, Gemma's special ids, user-defined turn markers and
     whitespace runs."""
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS), model_writer=model, model_type="bpe", vocab_size=420, byte_fallback=True,
-        character_coverage=1.0, add_dummy_prefix=False, remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, split_digits=True, normalization_rule_name="identity",
-        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
-        unk_piece="<unk>", user_defined_symbols=[t for t in ADDED_TOKENS if t not in SPECIAL], num_threads=1,
-        minloglevel=2,
-    )
-    return model.getvalue()
+    return train_sentencepiece(
+        CORPUS, add_dummy_prefix=False, pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>",
+        eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        user_defined_symbols=[t for t in ADDED_TOKENS if t not in SPECIAL])
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from helpers_gguf import (  # noqa: E402
     smollm2_installed,
     tiny_bpe_tokenizer,
     tiny_llama_state_dict,
+    train_sentencepiece,
     write_tiny_llama_gguf,
 )
 
@@ -438,18 +439,9 @@ SPM_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['conte
 @pytest.fixture(scope="module")
 def sp_model() -> bytes:
     """A real SentencePiece BPE model (byte fallback, dummy prefix, whitespace kept), trained here."""
-    import io
-
-    sentencepiece = pytest.importorskip("sentencepiece")
-    model = io.BytesIO()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS + ["[INST] a question [/INST] an answer"] * 20), model_writer=model,
-        model_type="bpe", vocab_size=420, byte_fallback=True, character_coverage=1.0, add_dummy_prefix=True,
-        remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
-        normalization_rule_name="identity", user_defined_symbols=list(SPM_USER_DEFINED), num_threads=1,
-        minloglevel=2,
-    )
-    return model.getvalue()
+    pytest.importorskip("sentencepiece")
+    return train_sentencepiece(CORPUS + ["[INST] a question [/INST] an answer"] * 20, add_dummy_prefix=True,
+                               user_defined_symbols=list(SPM_USER_DEFINED))
 
 
 @pytest.fixture(scope="module")
