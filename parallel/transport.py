@@ -8,7 +8,9 @@ forever):
   under topic ``P``; the engine's own ``Heartbeat`` under topic ``H``.
 - engine PULL (``result_endpoint``) ← every worker's PUSH: ``Hello``, ``StepResult``,
   ``WorkerError``, and ``Heartbeat`` from each worker's heartbeat thread (own PUSH socket);
-  a stage's TP rank 0 puts its busy time on its heartbeats (``EngineChannel.stage_busy_s``).
+  a stage's TP rank 0 puts its busy time on its heartbeats (``EngineChannel.stage_busy_s``);
+  a worker's results may also leave from its sender thread (own PUSH socket,
+  ``WorkerChannel.send_later``), so a result waiting for the device holds up no plan.
 
 Handshake. PUB silently drops what it publishes before a subscriber's subscription has
 arrived, so the engine publishes ``Ready`` every ~50 ms, and a worker sends ``Hello`` only
@@ -31,6 +33,7 @@ Liveness. Each worker runs a thread that pushes a ``Heartbeat`` every
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import time
@@ -414,6 +417,9 @@ class WorkerChannel:
         self._engine_seen = time.monotonic()  # written by both threads; a float store is atomic
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sends: queue.SimpleQueue[Callable[[], Message] | None] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
+        self._sender_error: Exception | None = None
 
     @property
     def rank(self) -> int:
@@ -481,6 +487,53 @@ class WorkerChannel:
         """Send a message (``StepResult``, ``WorkerError``, ...) to the engine."""
         _send(self._push, [encode(msg)], f"rank {self.rank}: send {type(msg).__name__}")
 
+    def send_later(self, make: Callable[[], Message]) -> None:
+        """Sends ``make()`` to the engine from this channel's sender thread, in the order given.
+        ``make`` may block (a result whose sampled ids are still on their way from the device)
+        while the calling thread goes on to the next plan. A ``make`` or send that fails sends
+        the engine a ``WorkerError`` instead (so it does not wait for a result that will never
+        come) and stops the sender; this method and ``flush_sends`` then raise that error."""
+        self._raise_sender_error()
+        if self._sender is None:
+            self._sender = threading.Thread(target=self._send_loop, name=f"pipeserve-sender-{self.rank}", daemon=True)
+            self._sender.start()
+        self._sends.put(make)
+
+    def flush_sends(self, timeout_s: float = 60.0) -> None:
+        """Waits until everything given to ``send_later`` has left, and stops the sender thread
+        (a later ``send_later`` starts another)."""
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            self._sends.put(None)
+            sender.join(timeout=timeout_s)
+            if sender.is_alive():
+                raise TransportTimeout(f"rank {self.rank}: results not sent within {timeout_s:g}s")
+        self._raise_sender_error()
+
+    def _raise_sender_error(self) -> None:
+        if self._sender_error is not None:
+            raise TransportError(f"rank {self.rank}: sending a result failed: "
+                                 f"{type(self._sender_error).__name__}: {self._sender_error}")
+
+    def _send_loop(self) -> None:
+        # zmq sockets are not thread-safe: this thread creates, uses and closes its own.
+        push = self._client(zmq.PUSH, self.result_endpoint, send_timeout_s=self.config.send_timeout_s)
+        try:
+            while (make := self._sends.get()) is not None:
+                if self._sender_error is not None:
+                    continue  # the engine has been told; drain until stopped
+                try:
+                    _send(push, [encode(make())], f"rank {self.rank}: send result")
+                except Exception as e:
+                    self._sender_error = e
+                    error = WorkerError(rank=self.rank, message=f"{type(e).__name__}: {e}")
+                    try:
+                        push.send(encode(error), zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass  # the engine is not reading: its liveness check ends the run
+        finally:
+            push.close(linger=1000)  # the last results get a bounded moment to leave
+
     def engine_alive(self) -> bool:
         """False once the engine has sent nothing (plan or heartbeat) for ``liveness_timeout_s``."""
         return time.monotonic() - self._engine_seen < self.config.liveness_timeout_s
@@ -529,7 +582,12 @@ class WorkerChannel:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        sender = self._sender
+        if sender is not None:
+            self._sends.put(None)
+            sender.join(timeout=linger_s + 1.0)  # (a make() stuck on a hung device: left behind)
         self._sub.close(linger=0)
         self._push.close(linger=int(linger_s * 1000))
-        if self._thread is None or not self._thread.is_alive():
+        threads = [t for t in (self._thread, sender) if t is not None]
+        if not any(t.is_alive() for t in threads):
             self._ctx.term()

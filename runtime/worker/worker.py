@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import cProfile
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -397,31 +398,29 @@ class Worker:
     # ---- the loop ----------------------------------------------------------------------------
 
     def serve(self, channel: WorkerChannel) -> None:
-        """Runs plans in order until Shutdown; exits if the engine goes silent. Results whose
-        ids are still on their way from the device (``PendingResult``) go out as soon as they
-        are here, and before this rank waits for a plan (the engine matches results by step)."""
-        pending: deque[PendingResult | StepResult] = deque()  # in step order
+        """Runs plans in order until Shutdown; exits if the engine goes silent. Results leave
+        from the channel's sender thread (``send_later``): one whose ids are still on their way
+        from the device (``PendingResult``) goes out the moment they are here, while this thread
+        takes the next plan and launches it (the engine, holding one plan more in flight than
+        results back, sends the plan after next once this result is in: waiting for it here
+        would leave the device idle for the next plan's launch every step)."""
         receiver = self.feedback_receiver
         profile_dir = os.environ.get(PROFILE_ENV)
         profiler = cProfile.Profile() if profile_dir else None
         while True:
-            timeout = 0.0 if pending else 1.0
+            timeout = 1.0
             if receiver is not None and receiver.unposted:
-                timeout = min(timeout, _IDLE_POST_S)
+                timeout = _IDLE_POST_S
             msg = channel.recv_plan(timeout_s=timeout)
             if msg is None:
                 if receiver is not None and receiver.unposted:
                     receiver.post()  # no plan to wait beside any more (feedback.py)
-                if pending:
-                    channel.send(arrived(pending.popleft()))
-                    continue
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
                 self.busy.poll()  # idle: the last steps' busy time reaches the heartbeat
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:
-                while pending:
-                    channel.send(arrived(pending.popleft()))
+                channel.flush_sends()
                 self.shutdown()
                 if profiler is not None:
                     _write_profile(profiler, profile_dir, self.ctx.rank)
@@ -432,9 +431,7 @@ class Worker:
             if profiler is not None:
                 profiler.disable()
             if result is not None:
-                pending.append(result)
-            while pending and (isinstance(pending[0], StepResult) or pending[0].ready()):
-                channel.send(arrived(pending.popleft()))
+                channel.send_later(functools.partial(arrived, result))
 
 
 def _write_profile(profiler: cProfile.Profile, folder: str, rank: int, top: int = 40) -> None:
@@ -454,17 +451,17 @@ class PendingResult:
                  prompt_logprobs: list[PromptLogprobs]) -> None:
         self.step_id, self.request_ids, self.seconds = step_id, request_ids, seconds
         self.prompt_logprobs = prompt_logprobs
+        self.device = token_ids.device
         self.host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
         self.event = torch.cuda.Event()
         self.token_ids = token_ids  # alive until copied
         self.host.copy_(token_ids, non_blocking=True)
         self.event.record()
 
-    def ready(self) -> bool:
-        return self.event.query()
-
     def result(self) -> StepResult:
-        self.event.synchronize()
+        """Waits for the ids (from any thread: the channel's sender calls this)."""
+        with torch.cuda.device(self.device):  # (a new thread's current device is cuda:0)
+            self.event.synchronize()
         return StepResult(step_id=self.step_id, request_ids=self.request_ids, token_ids=self.host.tolist(),
                           prompt_logprobs=self.prompt_logprobs, stage_times=[self.seconds])
 

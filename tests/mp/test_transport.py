@@ -19,7 +19,7 @@ from pipeserve.parallel.transport import (
     TransportTimeout,
     WorkerChannel,
 )
-from pipeserve.parallel.wire import SeqPlan, Shutdown, StepPlan, StepResult
+from pipeserve.parallel.wire import SeqPlan, Shutdown, StepPlan, StepResult, WorkerError
 
 # The same key in every spawned process (the run's key; the attacker tests make their own).
 KEY = RunKey.from_secret(z85.encode(bytes(range(32))))
@@ -298,4 +298,72 @@ def test_heartbeats_carry_stage_busy_time():
     finally:
         for w in workers:
             w.close()
+        engine.close()
+
+
+def _handshaken(world_size=1):
+    engine = EngineChannel(fast_config(), world_size=world_size, key=KEY)
+    worker = WorkerChannel(fast_config(), rank=0, world_size=world_size, stage=0, tp_rank=0,
+                           plan_endpoint=engine.plan_endpoint, result_endpoint=engine.result_endpoint, key=KEY)
+    t = threading.Thread(target=worker.handshake, daemon=True)
+    t.start()
+    engine.handshake()
+    t.join(timeout=5)
+    return engine, worker
+
+
+def test_send_later_leaves_the_worker_free_for_the_next_plan_and_keeps_order():
+    """A result still waiting (its ids on their way from the device) goes out from the sender
+    thread once ready; meanwhile the worker's own thread receives the next plan."""
+    engine, worker = _handshaken()
+    device_done = threading.Event()
+
+    def waiting_result():
+        assert device_done.wait(10.0)
+        return StepResult(step_id=0, request_ids=["a"], token_ids=[7])
+
+    try:
+        worker.send_later(waiting_result)
+        worker.send_later(lambda: StepResult(step_id=1, request_ids=["a"], token_ids=[8]))
+        engine.send_plan(make_plan(2))
+        assert isinstance(worker.recv_plan(timeout_s=5.0), StepPlan)  # not held up by step 0
+        assert engine.recv(timeout_s=0.2) is None  # nothing left before step 0 is ready
+        device_done.set()
+        got = []
+        deadline = time.monotonic() + 5.0
+        while len(got) < 2:
+            assert time.monotonic() < deadline, got
+            if isinstance(msg := engine.recv(timeout_s=0.1), StepResult):
+                got.append((msg.step_id, msg.token_ids))
+        assert got == [(0, [7]), (1, [8])]
+        worker.flush_sends()
+        worker.send_later(lambda: StepResult(step_id=3, request_ids=[], token_ids=[]))  # a new sender
+        worker.flush_sends()
+        while not isinstance(msg := engine.recv(timeout_s=1.0), StepResult):
+            assert msg is not None
+        assert msg.step_id == 3
+    finally:
+        worker.close()
+        engine.close()
+
+
+def test_a_result_that_fails_reaches_the_engine_as_a_worker_error():
+    engine, worker = _handshaken()
+
+    def failing():
+        raise RuntimeError("CUDA error: an illegal memory access")
+
+    try:
+        worker.send_later(failing)
+        worker.send_later(lambda: StepResult(step_id=1, request_ids=[], token_ids=[]))  # dropped
+        while (msg := engine.recv(timeout_s=5.0)) is not None and not isinstance(msg, WorkerError):
+            pass
+        assert isinstance(msg, WorkerError) and "illegal memory access" in msg.message
+        with pytest.raises(TransportError, match="sending a result failed: RuntimeError"):
+            worker.flush_sends()
+        with pytest.raises(TransportError, match="illegal memory access"):
+            worker.send_later(lambda: StepResult(step_id=2, request_ids=[], token_ids=[]))
+        assert engine.recv(timeout_s=0.3) is None  # nothing after the error
+    finally:
+        worker.close()
         engine.close()
