@@ -64,6 +64,74 @@ def _rank(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+def _one_shot_rank(rank: int, port: int, results) -> None:
+    """pipeserve's one-shot kernel: odd sizes, many calls in a row (the slots alternate, the
+    flags count), and a graph of several sums replayed over new inputs."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60), device_id=device)
+    try:
+        group = dist.new_group([0, 1])
+        reduce = SymmetricAllReduce.create(group, max_numel=1 << 20, dtype=torch.bfloat16, device=device)
+        ok = []
+
+        def pair(numel: int, seed: int):
+            xs = [torch.randn(numel, generator=torch.Generator().manual_seed(seed * 2 + r)).to(torch.bfloat16)
+                  for r in range(2)]
+            return xs[rank].to(device), (xs[0].float() + xs[1].float()).to(torch.bfloat16).to(device)
+
+        sizes = (1, 1000, 4096, 2048 * reduce.num_programs + 7, reduce.slot_numel)
+        for i in range(60):  # back to back, each call's inputs different
+            x, want = pair(sizes[i % len(sizes)], i)
+            ok.append(("eager", i, torch.equal(reduce.one_shot(x), want)))
+        static = [torch.zeros(4096 * 128, dtype=torch.bfloat16, device=device) for _ in range(5)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs = [reduce(t) for t in static]  # 1 MB each: the one-shot path
+        for replay in range(4):
+            wants = []
+            for k, t in enumerate(static):
+                x, want = pair(t.numel(), 1000 + 10 * replay + k)
+                t.copy_(x)
+                wants.append(want)
+            graph.replay()
+            torch.cuda.synchronize()
+            ok += [("graph", replay * 10 + k, torch.equal(o, w)) for k, (o, w) in enumerate(zip(outs, wants))]
+        graph.reset()
+        results.put((rank, ok))
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _run_two(target) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    return got
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_one_shot_kernel_calls_in_a_row_and_graph_replays_equal_the_exact_sum():
+    got = _run_two(_one_shot_rank)
+    for rank in (0, 1):
+        assert [c for c in got[rank] if not c[2]] == [], rank
+        assert len(got[rank]) == 60 + 20
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
