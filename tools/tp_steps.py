@@ -10,9 +10,8 @@ between CUDA events after a barrier, so the time includes what the host adds whe
 keep ahead of the device (eager steps past the graphed token counts). Cases: the decode
 batches and mixed steps of the scaling workloads (``benchmarks/throughput.py``). Also times a
 bare all-reduce of each case's hidden states (one per layer's attention and MLP output), eager
-and as 64 back to back inside a CUDA graph: NCCL's, pipeserve's one-shot kernel, PyTorch's
-one-shot and two-shot kernels (µs a sum). ``--torch-one-shot`` runs the steps with PyTorch's
-one-shot kernel in place of pipeserve's, the sums' previous implementation, for an A/B.
+and as 64 back to back inside a CUDA graph (as a forward's sums replay): NCCL's, and the
+symmetric-memory one-shot and two-shot kernels (µs a sum).
 
 ``--profile`` runs each case again under torch.profiler on rank 0 and splits its kernel time by
 category (roofline's, plus the collectives). Rank 0 prints the table; ``--out`` writes JSON.
@@ -32,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from pipeserve.parallel.context import build_parallel_context
-from pipeserve.parallel import symmetric
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.runtime.bench.dummy_model import write_model_folder
 from pipeserve.runtime.config import EngineConfig
@@ -86,14 +84,13 @@ def graph_us(fn, x: torch.Tensor, count: int = 64, repeats: int = 10) -> float:
     return seconds / count * 1e6
 
 
-def torch_one_shot(reduce: SymmetricAllReduce, x: torch.Tensor) -> torch.Tensor:
-    """PyTorch's one-shot all-reduce (copying ``x`` into the symmetric buffer): what the sums
-    up to 1 MB used before pipeserve's own kernel."""
+def one_shot(reduce: SymmetricAllReduce, x: torch.Tensor) -> torch.Tensor:
+    """The symmetric-memory one-shot all-reduce (``x`` copied into the buffer), at any size."""
     out = torch.ops.symm_mem.one_shot_all_reduce_copy(reduce.buffer[:x.numel()], x.view(-1), "sum", reduce.group_name)
     return out.view(x.shape)
 
 
-def torch_two_shot(reduce: SymmetricAllReduce, x: torch.Tensor) -> torch.Tensor:
+def two_shot(reduce: SymmetricAllReduce, x: torch.Tensor) -> torch.Tensor:
     buf = reduce.buffer[:x.numel()]
     buf.copy_(x.view(-1))
     out = torch.empty_like(x)
@@ -109,8 +106,6 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--nccl", action="store_true", help="the forward's sums through NCCL, not symmetric memory")
-    p.add_argument("--torch-one-shot", action="store_true",
-                   help="the forward's sums up to 1 MB through PyTorch's one-shot kernel, not pipeserve's")
     p.add_argument("--graph-max-tokens", type=int, default=EngineConfig.__dataclass_fields__["cuda_graph_max_tokens"].default,
                    help="engine.cuda_graph_max_tokens (default: the engine's)")
     p.add_argument("--out", default=None)
@@ -124,11 +119,7 @@ def main(argv=None) -> None:
         ctx = build_parallel_context(world, 1)
         if not args.nccl:  # as the worker sets it up (Worker._with_symmetric_sums)
             reduce = SymmetricAllReduce.create(ctx.tp_group, max_numel=2048 * 4096 * 4, dtype=torch.bfloat16,
-                                               device=device, one_shot_max_bytes=16 << 20)
-            if args.torch_one_shot:
-                SymmetricAllReduce.__call__ = lambda self, x: (
-                    torch_one_shot(self, x) if x.numel() * x.element_size() <= symmetric.ONE_SHOT_MAX_BYTES
-                    else torch_two_shot(self, x))
+                                               device=device)
             ctx = dataclasses.replace(ctx, tp_reduce=reduce)
     rank = dist.get_rank() if ctx else 0
     dtype, block_size = torch.bfloat16, 16
@@ -165,12 +156,8 @@ def main(argv=None) -> None:
                 row["symmetric_max_err"] = (ctx.tp_reduce(x).float() - want.float()).abs().max().item()
                 row["symmetric_us"] = timed(lambda: ctx.tp_reduce(x), args.repeats) * 1e6
                 reduce = ctx.tp_reduce
-                ours = lambda t: reduce.one_shot(t) if t.numel() <= reduce.slot_numel else None  # noqa: E731
-                sums = {"ours": ours, "torch_one_shot": lambda t: torch_one_shot(reduce, t),
-                        "torch_two_shot": lambda t: torch_two_shot(reduce, t)}
+                sums = {"one_shot": lambda t: one_shot(reduce, t), "two_shot": lambda t: two_shot(reduce, t)}
                 for how, fn in sums.items():
-                    if fn(x) is None:  # larger than pipeserve's slots (16 MB here)
-                        continue
                     row[f"{how}_max_err"] = (fn(x).float() - want.float()).abs().max().item()
                     row[f"{how}_graph_us"] = graph_us(fn, x)
                 nccl_x = x.clone()
@@ -184,14 +171,13 @@ def main(argv=None) -> None:
         card = torch.cuda.get_device_name()
         print(f"\n{card}; tp={world}; {args.shape} {args.num_layers} layers; mixed graphs to {args.graph_max_tokens} tokens")
         print(f"sums: {'symmetric memory' if ctx is not None and ctx.tp_reduce is not None else 'NCCL'}")
-        print(f"forward's sums: {'PyTorch one-shot ≤ 1 MB' if args.torch_one_shot else 'pipeserve one-shot ≤ 1 MB'}")
-        print("| case | tokens | graph | step ms | sum in a graph, µs: NCCL / ours / torch one-shot / two-shot (max err) "
+        print("| case | tokens | graph | step ms | sum in a graph, µs: NCCL / one-shot / two-shot (max err) "
               "| kernels by category (ms) |")
         print("|---|---|---|---|---|---|")
         for name, r in rows.items():
             cats = ", ".join(f"{k} {v:.2f}" for k, v in r.get("kernel_ms", {}).items() if v)
             sums = " / ".join(f"{r[k]:.1f}" if k in r else "-" for k in
-                              ("nccl_graph_us", "ours_graph_us", "torch_one_shot_graph_us", "torch_two_shot_graph_us"))
+                              ("nccl_graph_us", "one_shot_graph_us", "two_shot_graph_us"))
             err = max((v for k, v in r.items() if k.endswith("_max_err")), default=0)
             print(f"| {name} | {r['tokens']} | {r['graph']} | {r['step_ms']:.2f} | {sums} ({err:.3g}) | {cats} |")
         if args.out:
