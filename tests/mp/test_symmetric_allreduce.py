@@ -13,12 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeserve.parallel import symmetric
 from pipeserve.parallel.context import ParallelContext, tp_all_reduce
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 
 HIDDEN = 4096
-ROWS = (1, 128, 256, 2048)  # 8 KB to 16 MB of bf16: both sides of ONE_SHOT_MAX_BYTES
+ROWS = (1, 128, 256, 2048)  # 8 KB to 16 MB of bf16: both sides of the one-shot limit
 
 
 def _inputs(rows: int, rank: int, device) -> torch.Tensor:
@@ -41,7 +40,7 @@ def _rank(rank: int, port: int, results) -> None:
             x = _inputs(rows, rank, device)
             want = (_inputs(rows, 0, device).float() + _inputs(rows, 1, device).float()).to(torch.bfloat16)
             for how, limit in (("one-shot", 1 << 62), ("two-shot", 0)):
-                symmetric.ONE_SHOT_MAX_BYTES = limit
+                reduce.one_shot_max_bytes = limit
                 eager = tp_all_reduce(x.clone(), ctx)
                 static = x.clone()
                 graph = torch.cuda.CUDAGraph()
