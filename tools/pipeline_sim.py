@@ -14,6 +14,14 @@ stage's hidden states, and on the first stage with token feedback the sampled id
 its decodes are fed from, each ``hop_s`` after the stage that made them. The result reaches the
 engine ``hop_s`` after the last stage.
 
+``--offline uniform`` (or ``decode-heavy``) runs ``benchmarks/throughput.py``'s workload
+instead (its requests' lengths, all arriving at once) and adds the makespan and throughput, so
+that runs at pp = 1, 2 and 4 give the most a pipeline of the profiled card can make of that
+workload under this schedule:
+
+    python -m tools.pipeline_sim --cost-model cost_model.json --pp 2 --offline uniform \
+        --runs sarathi:2048,max_num_seqs=256
+
 Nothing else costs time: no planning, no host between steps. So the bubbles are what the
 schedule itself leaves (micro-batches of uneven time, the decode groups' chain, too few requests
 to fill the pipeline, the drain): a floor for an engine that runs that schedule, and a comparison
@@ -274,6 +282,19 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
+def offline_specs(workload: str, seed: int = 0) -> list[RequestSpec]:
+    """``benchmarks/throughput.py``'s ``workload``: its requests' prompt and output lengths (the
+    same random draws), every one arriving at 0."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+    spec = importlib.util.spec_from_file_location("throughput_workloads", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prompts, out_len = module.workload_prompts(workload, seed=seed)
+    return [RequestSpec(index=i, arrival_s=0.0, prompt_len=len(p), output_len=out_len) for i, p in enumerate(prompts)]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     from pipeserve.runtime.bench.dummy_model import SHAPES
 
@@ -289,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--no-feedback", action="store_true")
     p.add_argument("--source", default="arxiv")
     p.add_argument("--rate", type=float, nargs="+", default=[6.0])
+    p.add_argument("--offline", choices=("uniform", "decode-heavy", "peers"),
+                   help="benchmarks/throughput.py's workload, all at once (instead of --source and --rate)")
     p.add_argument("--num-requests", type=int, default=288)
     p.add_argument("--max-output-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
@@ -308,6 +331,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         p.error(str(e))
     print(f"ideal pp={args.pp} pipeline: layer shares {', '.join(f'{s:.3f}' for s in shares)}, "
           f"head {head_s * 1e6:.0f} us, hop {args.hop_us:g} us, depth {pipe.parallel.depth}")
+    if args.offline:
+        specs = offline_specs(args.offline, args.seed)
+        tokens = sum(s.prompt_len + s.output_len for s in specs)
+        print(f"{args.offline}: {len(specs)} requests, {tokens:,} tokens, all at once")
+        print("| run | makespan s | total tok/s | bubble per stage (loaded) |")
+        print("|---|---|---|---|")
+        for run, config in configs.items():
+            sim_run = simulate(specs, config, pipe, max_model_len=shape.max_position_embeddings)
+            out = sim_run.summary()
+            end = max(r.finished for r in sim_run.requests)
+            bubbles = " / ".join(f"{_percent(s['bubble_fraction'])} ({_percent(s['bubble_fraction_loaded'])})"
+                                 for s in out["stages"])
+            print(f"| {run} | {end:.3f} | {tokens / end:,.0f} | {bubbles} |")
+        return
     print("| rate | run | bubble per stage (loaded) | P50 TTFT ms | P99 TBT ms |")
     print("|---|---|---|---|---|")
     for rate in args.rate:

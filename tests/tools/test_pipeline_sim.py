@@ -155,3 +155,32 @@ def test_command_line(tmp_path, capsys):
     stage0, stage1 = [line.split(" | ") for line in capsys.readouterr().out.splitlines()[2:4]]
     assert stage0[0] == "| stage 0" and stage0[3] == "0.0%" and float(stage0[4].rstrip("%")) > 0
     assert stage1[0] == "| stage 1" and float(stage1[3].rstrip("%")) > 0 and stage1[4] == stage1[6] == "0.0%"
+
+
+def test_offline_workloads_are_the_throughput_benchmarks(capsys):
+    """--offline runs benchmarks/throughput.py's requests (the same lengths, all at once) and
+    reports the makespan: with a weight-read knee, a pipeline of two gains less than 2x on the
+    peers workload's decodes, and more than one stage's worth."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(sim.__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+    spec = importlib.util.spec_from_file_location("throughput_for_test", path)
+    throughput = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(throughput)
+    prompts, out_len = throughput.workload_prompts("uniform")
+    specs = sim.offline_specs("uniform")
+    assert [(s.prompt_len, s.output_len, s.arrival_s) for s in specs] == [(len(p), out_len, 0.0) for p in prompts]
+    assert len(specs) == 256 and sum(s.prompt_len for s in specs) == 276_020  # as BENCHMARKS.md's runs
+    model = str(Path(sim.__file__).resolve().parents[1] / "benchmarks" / "data" / "cost_model_h200_llama3_8b.json")
+    peers, peers_out = throughput.workload_prompts("peers")
+    tokens = sum(map(len, peers)) + len(peers) * peers_out
+    made = {}
+    for pp in (1, 2):
+        sim.main(["--cost-model", model, "--pp", str(pp), "--offline", "peers", "--runs", "sarathi:2048,max_num_seqs=256"])
+        out = capsys.readouterr().out.splitlines()
+        assert out[1] == f"peers: 64 requests, {tokens:,} tokens, all at once"
+        row = out[-1].split(" | ")
+        made[pp] = float(row[2].replace(",", ""))
+        assert float(row[1]) > 0
+    assert 1.2 < made[2] / made[1] < 2.0, made
