@@ -343,6 +343,18 @@ def tpsteps(folder: str):
                              + [f"{r['rows'][case]['step_ms']:.2f}"])
                 figures[case][f"{name}_kernel_ms"] = ms_
         lines += [""] + table(["step", "tp"] + [f"{k} ms" for k in kinds] + ["step ms"], krows)
+    # tools/tp_overlap: a layer's sums in line against two halves whose sums overlap the other's GEMMs.
+    orows = []
+    for name in ("overlap-tp2", "overlap-tp4"):
+        r = load(os.path.join(folder, f"{name}.json"))
+        for tokens, row in (r or {"rows": {}})["rows"].items():
+            hidden = row.get("hidden")
+            orows.append([f"tp={r['tp']}", tokens] + [f"{row[k]:.3f}" for k in ("serial", "halves", "no_sums")]
+                         + ["" if hidden is None else f"{hidden:.0%}"])
+            figures[f"{name}-{tokens}"] = row
+    if orows:
+        lines += [""] + table(["layer shard", "tokens", "serial ms/layer", "halves ms/layer", "no sums ms/layer",
+                               "sums hidden"], orows)
     return lines, figures
 
 
