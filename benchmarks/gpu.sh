@@ -276,7 +276,7 @@ ranks() {  # ~3 min: both scaling workloads at tp=2 (tp=4 on 4 GPUs), every rank
   done
 }
 
-tpsteps() {  # ~2 min: three runs of tools/tp_steps (four on 4 GPUs) (start-up and graph capture included)
+tpsteps() {  # ~5 min (~8 on 4 GPUs): tools/tp_steps at each tp (start-up and graph capture included), then the two probes
   need_gpus 2 || return 0
   tool tpsteps-tp1 200 0 tp_steps $TOK_TOOL --profile --out "$DIR/tp1.json"
   run tpsteps-tp2 200 0,1 torchrun --nproc-per-node 2 -m tools.tp_steps $TOK_TOOL --profile --out "$DIR/tp2.json"

@@ -356,17 +356,17 @@ def tpsteps(folder: str):
         lines += [""] + table(["layer shard", "tokens", "serial ms/layer", "halves ms/layer", "no sums ms/layer",
                                "sums hidden"], orows)
     # tools/sum_kernels: the fastest correct candidate one-shot kernel against PyTorch's sums.
-    krows = []
+    srows = []
     for name in ("sumkernels-tp2", "sumkernels-tp4"):
         r = load(os.path.join(folder, f"{name}.json"))
         for rows, row in (r or {"rows": {}})["rows"].items():
-            krows.append([f"tp={r['tp']}", rows, f"{row['torch_one_shot_us']:.1f}", f"{row['torch_two_shot_us']:.1f}",
+            srows.append([f"tp={r['tp']}", rows, f"{row['torch_one_shot_us']:.1f}", f"{row['torch_two_shot_us']:.1f}",
                           "" if row["best_us"] is None else f"{row['best_us']:.1f}", row["best"] or "",
                           "yes" if row["all_correct_on_every_rank"] else "NO"])
             figures[f"{name}-{rows}"] = row
-    if krows:
+    if srows:
         lines += [""] + table(["sum", "rows of 4096", "PyTorch one-shot µs", "two-shot µs", "best candidate µs",
-                               "candidate", "all exact"], krows)
+                               "candidate", "all exact"], srows)
     return lines, figures
 
 

@@ -25,12 +25,14 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+
 def one_shot_max_bytes(world_size: int) -> int:
     """Sums up to this size read every peer whole (one-shot); larger ones reduce a slice per
     rank and gather (two-shot). Where the two cross, 64 sums replayed in a CUDA graph on
-    4 × H200 (``tools/tp_steps.py`` times both): two ranks, one-shot 14.7 µs against 15.7 at
+    4 × H200 (``tools/sum_kernels.py`` prints both): two ranks, one-shot 14.7 µs against 15.7 at
     1 MB, 17.5 against 16.4 at 1.5 MB; four ranks (three peers to read whole), 15.7 against
-    16.2 at 768 KB, 18.8 against 17.3 at 1 MB."""
+    16.2 at 768 KB, 18.8 against 17.3 at 1 MB. Other rank counts take the nearer measured
+    limit (not measured themselves)."""
     return 1 << 20 if world_size <= 2 else 768 << 10
 
 

@@ -428,10 +428,14 @@ class WorkerChannel:
     def _client(self, kind: int, endpoint: str, *, subscribe: bytes | None = None,
                 send_timeout_s: float | None = None) -> zmq.Socket:
         sock = _make_socket(self._ctx, kind, send_timeout_s=send_timeout_s)
-        secure_client(sock, self.key)
-        if subscribe is not None:
-            sock.setsockopt(zmq.SUBSCRIBE, subscribe)
-        sock.connect(endpoint)
+        try:
+            secure_client(sock, self.key)
+            if subscribe is not None:
+                sock.setsockopt(zmq.SUBSCRIBE, subscribe)
+            sock.connect(endpoint)
+        except BaseException:
+            sock.close(linger=0)  # an open socket would hold the context's term() forever
+            raise
         return sock
 
     def handshake(self) -> str:
@@ -492,33 +496,41 @@ class WorkerChannel:
         ``make`` may block (a result whose sampled ids are still on their way from the device)
         while the calling thread goes on to the next plan. A ``make`` or send that fails sends
         the engine a ``WorkerError`` instead (so it does not wait for a result that will never
-        come) and stops the sender; this method and ``flush_sends`` then raise that error."""
-        self._raise_sender_error()
+        come) and stops the sender; this method, ``check_sender`` and ``flush_sends`` then
+        raise that error."""
+        self.check_sender()
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, name=f"pipeserve-sender-{self.rank}", daemon=True)
             self._sender.start()
         self._sends.put(make)
 
-    def flush_sends(self, timeout_s: float = 60.0) -> None:
-        """Waits until everything given to ``send_later`` has left, and stops the sender thread
-        (a later ``send_later`` starts another)."""
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            self._sends.put(None)
-            sender.join(timeout=timeout_s)
-            if sender.is_alive():
-                raise TransportTimeout(f"rank {self.rank}: results not sent within {timeout_s:g}s")
-        self._raise_sender_error()
-
-    def _raise_sender_error(self) -> None:
+    def check_sender(self) -> None:
+        """Raises ``TransportError`` once the sender thread has failed or died; an idle worker
+        loop calls this, so a sender that could not even tell the engine still ends the run."""
         if self._sender_error is not None:
             raise TransportError(f"rank {self.rank}: sending a result failed: "
                                  f"{type(self._sender_error).__name__}: {self._sender_error}")
+        if self._sender is not None and not self._sender.is_alive():
+            raise TransportError(f"rank {self.rank}: the result sender stopped")
+
+    def flush_sends(self, timeout_s: float = 60.0) -> None:
+        """Waits until everything given to ``send_later`` has left, and stops the sender thread
+        (a later ``send_later`` starts another). A sender still busy after ``timeout_s`` (a
+        result whose device never finishes) is left running, and ``TransportTimeout`` raised."""
+        sender = self._sender
+        if sender is not None:
+            self._sends.put(None)
+            sender.join(timeout=timeout_s)
+            if sender.is_alive():  # kept: close() must not wait for its socket
+                raise TransportTimeout(f"rank {self.rank}: results not sent within {timeout_s:g}s")
+            self._sender = None
+        self.check_sender()
 
     def _send_loop(self) -> None:
         # zmq sockets are not thread-safe: this thread creates, uses and closes its own.
-        push = self._client(zmq.PUSH, self.result_endpoint, send_timeout_s=self.config.send_timeout_s)
+        push = None
         try:
+            push = self._client(zmq.PUSH, self.result_endpoint, send_timeout_s=self.config.send_timeout_s)
             while (make := self._sends.get()) is not None:
                 if self._sender_error is not None:
                     continue  # the engine has been told; drain until stopped
@@ -531,8 +543,11 @@ class WorkerChannel:
                         push.send(encode(error), zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass  # the engine is not reading: its liveness check ends the run
+        except BaseException as e:  # no socket: the worker's loop raises it (check_sender)
+            self._sender_error = e
         finally:
-            push.close(linger=1000)  # the last results get a bounded moment to leave
+            if push is not None:
+                push.close(linger=1000)  # the last results get a bounded moment to leave
 
     def engine_alive(self) -> bool:
         """False once the engine has sent nothing (plan or heartbeat) for ``liveness_timeout_s``."""
@@ -574,10 +589,12 @@ class WorkerChannel:
             pass  # engine not reading: a queued-up heartbeat would say nothing new
 
     def close(self, linger_s: float = 1.0) -> None:
-        """Stop the heartbeat thread and close the sockets.
+        """Stop the heartbeat and sender threads and close the sockets.
 
         Messages already sent (typically a final ``WorkerError``) get up to ``linger_s`` to
-        leave; a dead engine therefore delays exit by at most that much.
+        leave; a dead engine therefore delays exit by at most that much. A sender thread still
+        waiting for a result after that is left behind, with the context unterminated, rather
+        than waited for.
         """
         self._stop.set()
         if self._thread is not None:

@@ -282,16 +282,21 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.1f}"
 
 
-def offline_specs(workload: str, seed: int = 0) -> list[RequestSpec]:
-    """``benchmarks/throughput.py``'s ``workload``: its requests' prompt and output lengths (the
-    same random draws), every one arriving at 0."""
+def throughput_benchmark():
+    """``benchmarks/throughput.py`` as a module (a script, not a package)."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
-    spec = importlib.util.spec_from_file_location("throughput_workloads", path)
+    spec = importlib.util.spec_from_file_location("throughput_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    prompts, out_len = module.workload_prompts(workload, seed=seed)
+    return module
+
+
+def offline_specs(workload: str, seed: int = 0) -> list[RequestSpec]:
+    """``benchmarks/throughput.py``'s ``workload``: its requests' prompt and output lengths (the
+    same random draws), every one arriving at 0."""
+    prompts, out_len = throughput_benchmark().workload_prompts(workload, seed=seed)
     return [RequestSpec(index=i, arrival_s=0.0, prompt_len=len(p), output_len=out_len) for i, p in enumerate(prompts)]
 
 
@@ -311,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--source", default="arxiv")
     p.add_argument("--rate", type=float, nargs="+", default=[6.0])
     p.add_argument("--offline", choices=("uniform", "decode-heavy", "peers"),
-                   help="benchmarks/throughput.py's workload, all at once (instead of --source and --rate)")
+                   help="benchmarks/throughput.py's workload, all at once (--source, --rate, --num-requests "
+                        "and --max-output-len do not apply)")
     p.add_argument("--num-requests", type=int, default=288)
     p.add_argument("--max-output-len", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)

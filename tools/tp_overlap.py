@@ -79,6 +79,7 @@ class Sums:
         if self.side is None:
             return self(x), None
         self.side.wait_stream(torch.cuda.current_stream())
+        x.record_stream(self.side)  # read there: not handed to the main stream's next allocation
         with torch.cuda.stream(self.side):
             out = self(x)
             done = torch.cuda.Event()

@@ -417,6 +417,7 @@ class Worker:
                     receiver.post()  # no plan to wait beside any more (feedback.py)
                 if not channel.engine_alive():
                     raise SystemExit(EXIT_ENGINE_LOST)
+                channel.check_sender()  # a result the engine waits for that cannot come: fail
                 self.busy.poll()  # idle: the last steps' busy time reaches the heartbeat
                 continue
             if isinstance(msg, Shutdown) or msg.shutdown:

@@ -367,3 +367,44 @@ def test_a_result_that_fails_reaches_the_engine_as_a_worker_error():
     finally:
         worker.close()
         engine.close()
+
+
+def test_a_sender_that_cannot_start_fails_the_worker_loop():
+    """A sender thread whose socket cannot be made (here: a malformed endpoint) cannot tell
+    the engine; the worker's loop learns it from check_sender and fails instead of leaving the
+    engine waiting for the result."""
+    engine, worker = _handshaken()
+    try:
+        worker.result_endpoint = "tcp://no such host"
+        worker.send_later(lambda: StepResult(step_id=0, request_ids=[], token_ids=[]))
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                worker.check_sender()
+            except TransportError as e:
+                assert "sending a result failed" in str(e)
+                break
+            assert time.monotonic() < deadline, "the sender's failure went unnoticed"
+            time.sleep(0.01)
+        with pytest.raises(TransportError):
+            worker.send_later(lambda: StepResult(step_id=1, request_ids=[], token_ids=[]))
+    finally:
+        worker.close()
+        engine.close()
+
+
+def test_a_result_stuck_on_its_device_does_not_hang_shutdown():
+    """flush_sends gives up on a result that never becomes ready, and close() leaves that
+    thread behind rather than waiting for it (nothing else would end the process)."""
+    engine, worker = _handshaken()
+    device_hung = threading.Event()
+    try:
+        worker.send_later(lambda: device_hung.wait(30.0) and StepResult(step_id=0, request_ids=[], token_ids=[]))
+        with pytest.raises(TransportTimeout, match="results not sent within 0.2s"):
+            worker.flush_sends(timeout_s=0.2)
+        started = time.monotonic()
+        worker.close(linger_s=0.1)
+        assert time.monotonic() - started < 3.0
+    finally:
+        device_hung.set()
+        engine.close()

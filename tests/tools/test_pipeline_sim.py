@@ -161,13 +161,9 @@ def test_offline_workloads_are_the_throughput_benchmarks(capsys):
     """--offline runs benchmarks/throughput.py's requests (the same lengths, all at once) and
     reports the makespan: with a weight-read knee, a pipeline of two gains less than 2x on the
     peers workload's decodes, and more than one stage's worth."""
-    import importlib.util
     from pathlib import Path
 
-    path = Path(sim.__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
-    spec = importlib.util.spec_from_file_location("throughput_for_test", path)
-    throughput = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(throughput)
+    throughput = sim.throughput_benchmark()
     prompts, out_len = throughput.workload_prompts("uniform")
     specs = sim.offline_specs("uniform")
     assert [(s.prompt_len, s.output_len, s.arrival_s) for s in specs] == [(len(p), out_len, 0.0) for p in prompts]
