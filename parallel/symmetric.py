@@ -73,11 +73,19 @@ class SymmetricAllReduce:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of ``x`` over the group, a new tensor (``fits(x)`` must hold)."""
-        n = x.numel()
-        buf = self.buffer[:n]
-        if n * x.element_size() <= self.one_shot_max_bytes:
-            out = self._ops.one_shot_all_reduce_copy(buf, x.view(-1), "sum", self.group_name)
-            return out.view(x.shape)
+        if x.numel() * x.element_size() <= self.one_shot_max_bytes:
+            return self.one_shot(x)
+        return self.two_shot(x)
+
+    def one_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum with every peer's rows read whole (``x`` copied into the buffer), at any size
+        the buffer holds."""
+        out = self._ops.one_shot_all_reduce_copy(self.buffer[:x.numel()], x.view(-1), "sum", self.group_name)
+        return out.view(x.shape)
+
+    def two_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum reduced a slice per rank, then gathered, at any size the buffer holds."""
+        buf = self.buffer[:x.numel()]
         buf.copy_(x.view(-1))
         out = torch.empty_like(x)
         self._ops.two_shot_all_reduce_out(buf, "sum", self.group_name, out.view(-1))

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from pipeserve.parallel.context import build_parallel_context
 from pipeserve.parallel.symmetric import SymmetricAllReduce
-from tools.tp_steps import graph_us, one_shot, two_shot
+from tools.tp_steps import graph_us
 
 
 @triton.jit
@@ -152,7 +152,7 @@ def main(argv=None) -> None:
             timings.append((graph_us(cand, x), cand.name, ok))
         ok_all = torch.tensor([all(ok for _, _, ok in timings)], device=device, dtype=torch.int32)
         dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
-        ref = {"one-shot": graph_us(lambda t: one_shot(reduce, t), x), "two-shot": graph_us(lambda t: two_shot(reduce, t), x)}
+        ref = {"one-shot": graph_us(reduce.one_shot, x), "two-shot": graph_us(reduce.two_shot, x)}
         if rank == 0:
             print(f"\ntp={world}, {rows} rows ({rows * hidden * 2 // 1024} KB): PyTorch one-shot "
                   f"{ref['one-shot']:.1f} µs, two-shot {ref['two-shot']:.1f} µs")

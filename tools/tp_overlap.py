@@ -37,6 +37,7 @@ from pipeserve.kernels import kernel_ops, torch_ops
 from pipeserve.parallel.context import build_parallel_context, tp_all_reduce
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.runtime.bench.dummy_model import SHAPES
+from tools.tp_steps import graph_us
 
 
 CHECK_SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
@@ -126,31 +127,6 @@ def halves(layers, x, residual, attn, ops, sums: Sums, eps: float = 1e-5):
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
-def graph_ms(fn, repeats: int) -> float:
-    """Milliseconds a replay of ``fn`` captured in a CUDA graph takes (mean of ``repeats``,
-    after a barrier)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up: kernels compiled, the allocator's pool filled
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    if dist.is_initialized():
-        dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    graph.reset()
-    return start.elapsed_time(end) / repeats
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES) + ["check"], default="llama3-8b")
@@ -197,7 +173,9 @@ def main(argv=None) -> dict:
             runs = {"serial": lambda: serial(layers, x, residual, attn, ops, sums),
                     "halves": lambda: halves(layers, x, residual, attn, ops, sums),
                     "no_sums": lambda: serial(layers, x, residual, attn, ops, None)}
-            row.update({name: graph_ms(fn, args.repeats) / args.layers for name, fn in runs.items()})
+            # ms a layer: each run captured once in a CUDA graph, its replays timed
+            row.update({name: graph_us(lambda _, fn=fn: fn(), None, count=1, repeats=args.repeats) / 1e3 / args.layers
+                        for name, fn in runs.items()})
             exposed = row["serial"] - row["no_sums"]
             row["hidden"] = (row["serial"] - row["halves"]) / exposed if exposed > 0 else None
         rows[tokens] = row

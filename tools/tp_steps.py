@@ -84,20 +84,6 @@ def graph_us(fn, x: torch.Tensor, count: int = 64, repeats: int = 10) -> float:
     return seconds / count * 1e6
 
 
-def one_shot(reduce: SymmetricAllReduce, x: torch.Tensor) -> torch.Tensor:
-    """The symmetric-memory one-shot all-reduce (``x`` copied into the buffer), at any size."""
-    out = torch.ops.symm_mem.one_shot_all_reduce_copy(reduce.buffer[:x.numel()], x.view(-1), "sum", reduce.group_name)
-    return out.view(x.shape)
-
-
-def two_shot(reduce: SymmetricAllReduce, x: torch.Tensor) -> torch.Tensor:
-    buf = reduce.buffer[:x.numel()]
-    buf.copy_(x.view(-1))
-    out = torch.empty_like(x)
-    torch.ops.symm_mem.two_shot_all_reduce_out(buf, "sum", reduce.group_name, out.view(-1))
-    return out
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokenizer", default=None)
@@ -156,7 +142,7 @@ def main(argv=None) -> None:
                 row["symmetric_max_err"] = (ctx.tp_reduce(x).float() - want.float()).abs().max().item()
                 row["symmetric_us"] = timed(lambda: ctx.tp_reduce(x), args.repeats) * 1e6
                 reduce = ctx.tp_reduce
-                sums = {"one_shot": lambda t: one_shot(reduce, t), "two_shot": lambda t: two_shot(reduce, t)}
+                sums = {"one_shot": reduce.one_shot, "two_shot": reduce.two_shot}
                 for how, fn in sums.items():
                     row[f"{how}_max_err"] = (fn(x).float() - want.float()).abs().max().item()
                     row[f"{how}_graph_us"] = graph_us(fn, x)
