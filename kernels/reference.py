@@ -61,6 +61,14 @@ def rope_reference(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
 
+def push_sum_reference(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``kernels/push_sum``: every rank's rows (in rank order) summed in float32, rounded once."""
+    total = parts[0].float()
+    for p in parts[1:]:
+        total = total + p.float()
+    return total.to(parts[0].dtype)
+
+
 def matmul_reference(
     x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""The TP sums through symmetric memory (``parallel/symmetric.py``) on two GPUs: one-shot and
-two-shot, eager and replayed inside a CUDA graph, equal the exact sum rounded once (what NCCL
-gives for two ranks); a tensor the buffer cannot hold goes through NCCL. On CPU, ``create``
-declines and the sums stay with the process group."""
+"""The TP sums through symmetric memory (``parallel/symmetric.py``) on two GPUs: pipeserve's
+push kernel, PyTorch's one-shot and two-shot, and the choice among them that the forward makes,
+eager and replayed inside a CUDA graph (twice, on other rows each time: the push kernel's slots
+alternate and its flags count replays), equal the exact sum rounded once (what NCCL gives for
+two ranks); a tensor the buffer cannot hold goes through NCCL. On CPU, ``create`` declines and
+the sums stay with the process group."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from pipeserve.parallel.context import ParallelContext, tp_all_reduce
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 
 HIDDEN = 4096
-ROWS = (1, 128, 256, 2048)  # 8 KB to 16 MB of bf16: both sides of the one-shot limit
+ROWS = (1, 128, 1024, 1025, 4096)  # 8 KB to 32 MB of bf16: both sides of the push limit (8 MB)
 
 
 def _inputs(rows: int, rank: int, device) -> torch.Tensor:
@@ -32,30 +34,39 @@ def _rank(rank: int, port: int, results) -> None:
                             timeout=timedelta(seconds=60), device_id=device)
     try:
         group = dist.new_group([0, 1])
-        reduce = SymmetricAllReduce.create(group, max_numel=1024 * HIDDEN, dtype=torch.bfloat16, device=device)
+        reduce = SymmetricAllReduce.create(group, max_numel=2048 * HIDDEN, dtype=torch.bfloat16, device=device)
         assert reduce is not None
         ctx = ParallelContext(rank=rank, world_size=2, tp_size=2, pp_size=1, tp_group=group, tp_reduce=reduce)
         out = {}
+        assert reduce.push_max_numel == 1024 * HIDDEN
+        ways = {"auto": lambda t: tp_all_reduce(t, ctx), "push": reduce.push, "one-shot": reduce.one_shot,
+                "two-shot": reduce.two_shot}
         for rows in ROWS:
-            x = _inputs(rows, rank, device)
-            want = (_inputs(rows, 0, device).float() + _inputs(rows, 1, device).float()).to(torch.bfloat16)
-            for how, limit in (("one-shot", 1 << 62), ("two-shot", 0)):
-                reduce.one_shot_max_bytes = limit
-                eager = tp_all_reduce(x.clone(), ctx)
-                static = x.clone()
+            calls = []  # three calls' rows, each rank's other than the last call's
+            for k in range(3):
+                parts = [_inputs(rows, r, device) + k for r in (0, 1)]
+                calls.append((parts[rank], (parts[0].float() + parts[1].float()).to(torch.bfloat16)))
+            for how, fn in ways.items():
+                limit = {"auto": None, "push": reduce.push_max_numel}.get(how, reduce.buffer.numel())
+                if limit is not None and rows * HIDDEN > limit:
+                    continue
+                eager = [torch.equal(fn(x.clone()), want) for x, want in calls]
+                static = calls[0][0].clone()
                 graph = torch.cuda.CUDAGraph()
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
-                    tp_all_reduce(static.clone(), ctx)  # warm-up outside the capture
+                    fn(static.clone())  # warm-up outside the capture
                 torch.cuda.current_stream().wait_stream(stream)
                 with torch.cuda.graph(graph, stream=stream):
-                    replayed = tp_all_reduce(static, ctx)
-                static.copy_(x)
-                graph.replay()
-                torch.cuda.synchronize()
-                out[(rows, how)] = (torch.equal(eager, want), torch.equal(replayed, want),
-                                    rows * HIDDEN <= reduce.buffer.numel())
+                    summed = fn(static)
+                replayed = []
+                for x, want in calls[1:]:
+                    static.copy_(x)
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    replayed.append(torch.equal(summed, want))
+                out[(rows, how)] = (all(eager), all(replayed), rows * HIDDEN <= reduce.buffer.numel())
                 graph.reset()
         results.put((rank, out))
     finally:
@@ -81,8 +92,9 @@ def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
     for rank in (0, 1):
         for (rows, how), (eager, replayed, symmetric_path) in got[rank].items():
             assert eager and replayed, (rank, rows, how)
-        # 2048 rows exceed the 1024-row buffer: those went through NCCL
-        assert [fits for (rows, how), (_, _, fits) in got[rank].items() if how == "one-shot"] == [True, True, True, False]
+        assert sum(how == "push" for _, how in got[rank]) == 3  # 1, 128 and 1024 rows
+        # 4096 rows exceed the 2048-row buffer: those went through NCCL
+        assert [fits for (rows, how), (_, _, fits) in got[rank].items() if how == "auto"] == [True] * 4 + [False]
 
 
 def test_cpu_keeps_the_process_group_sums():
