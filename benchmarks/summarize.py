@@ -345,28 +345,27 @@ def tpsteps(folder: str):
         lines += [""] + table(["step", "tp"] + [f"{k} ms" for k in kinds] + ["step ms"], krows)
     # tools/tp_overlap: a layer's sums in line against two halves whose sums overlap the other's GEMMs.
     orows = []
-    for name in ("overlap-tp2", "overlap-tp4"):
+    for name in ("overlap-tp2", "overlap-pull-tp2", "overlap-tp4", "overlap-pull-tp4"):
         r = load(os.path.join(folder, f"{name}.json"))
         for tokens, row in (r or {"rows": {}})["rows"].items():
             hidden = row.get("hidden")
-            orows.append([f"tp={r['tp']}", tokens] + [f"{row[k]:.3f}" for k in ("serial", "halves", "no_sums")]
+            orows.append([f"tp={r['tp']}", "pull" if "pull" in name else "symmetric", tokens]
+                         + [f"{row[k]:.3f}" if k in row else "" for k in ("serial", "halves", "no_sums", "async_tp")]
                          + ["" if hidden is None else f"{hidden:.0%}"])
             figures[f"{name}-{tokens}"] = row
     if orows:
-        lines += [""] + table(["layer shard", "tokens", "serial ms/layer", "halves ms/layer", "no sums ms/layer",
-                               "sums hidden"], orows)
-    # tools/sum_kernels: the fastest correct candidate one-shot kernel against PyTorch's sums.
-    srows = []
+        lines += [""] + table(["layer shard", "sums", "tokens", "serial ms/layer", "halves ms/layer",
+                               "no sums ms/layer", "async TP ms/layer", "sums hidden by halves"], orows)
+    # tools/sum_kernels: µs a sum per kernel and size.
     for name in ("sumkernels-tp2", "sumkernels-tp4"):
         r = load(os.path.join(folder, f"{name}.json"))
-        for rows, row in (r or {"rows": {}})["rows"].items():
-            srows.append([f"tp={r['tp']}", rows, f"{row['torch_one_shot_us']:.1f}", f"{row['torch_two_shot_us']:.1f}",
-                          "" if row["best_us"] is None else f"{row['best_us']:.1f}", row["best"] or "",
-                          "yes" if row["all_correct_on_every_rank"] else "NO"])
-            figures[f"{name}-{rows}"] = row
-    if srows:
-        lines += [""] + table(["sum", "rows of 4096", "PyTorch one-shot µs", "two-shot µs", "best candidate µs",
-                               "candidate", "all exact"], srows)
+        if not r or not r["rows"]:
+            continue
+        kernels = list(next(iter(r["rows"].values())))
+        srows = [[f"tp={r['tp']}", rows] + [f"{row[k]['us']:.1f}{'' if row[k]['exact'] else ' WRONG'}" for k in kernels]
+                 for rows, row in r["rows"].items()]
+        figures[name] = r
+        lines += [""] + table(["sum", "rows of 4096"] + [f"{k} µs" for k in kernels], srows)
     return lines, figures
 
 
