@@ -26,8 +26,9 @@ GEMMs need). Prints, per token count, ms per layer for each and the share of the
 the CPU (gloo, or one process) there are no streams: it checks that the halves compute what
 serial does, not the time.
 
-On 2 and 4 H200s none of them beat serial: the halves lost 2–75% (symmetric sums) and −2% to
-31% (pull), async TP 5–90% (BENCHMARKS.md, "What the sums cost and what did not hide them").
+On 2 and 4 H200s none of them beat serial by more than 2% of the sums' time: the halves added
+3–69% of it (symmetric sums) and −2% to 75% (pull), async TP ran 5–128% slower (BENCHMARKS.md,
+"What the sums cost and what did not hide them").
 """
 
 from __future__ import annotations
