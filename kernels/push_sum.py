@@ -39,6 +39,7 @@ def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, sl
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
     count = tl.load(counts_ptr + pid) + 1  # this program's calls, the same on every rank
+    tl.debug_barrier()  # every warp has read the count before one thread stores the next
     tl.store(counts_ptr + pid, count)
     slot = (count % 2) * WORLD * slot_numel
     offs = tl.arange(0, BLOCK)

@@ -59,19 +59,26 @@ class _PushState:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        programs = programs or torch.cuda.get_device_properties(device).multi_processor_count
+        if programs is None:  # one per SM of the smallest GPU: program p of each rank pairs with p
+            sms = torch.tensor([torch.cuda.get_device_properties(device).multi_processor_count], device=device)
+            dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
+            programs = int(sms.item())
         self.slot_numel = numel
         self.slots = symm_mem.empty(2 * self.world * numel, dtype=dtype, device=device)
         self.flags = symm_mem.empty(programs * self.world, dtype=torch.int64, device=device)
         self.flags.zero_()
         self.counts = torch.zeros(programs, dtype=torch.int64, device=device)
         handles = [symm_mem.rendezvous(t, group) for t in (self.slots, self.flags)]
+        for t, h in zip((self.slots, self.flags), handles):  # the kernel indexes from each buffer's start
+            assert h.buffer_ptrs[self.rank] == t.data_ptr(), "symmetric buffer not at its allocation's start"
         self.slot_ptrs, self.flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
                                           for h in handles)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's flags are zero before any rank raises one
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # the peers' regions hold slot_numel of this dtype: another would write past them
+        assert x.dtype == self.slots.dtype and x.device == self.slots.device, (x.dtype, x.device)
         return push_sum(x, torch.empty_like(x), rank=self.rank, world=self.world, slot_ptrs=self.slot_ptrs,
                         flag_ptrs=self.flag_ptrs, counts=self.counts, slot_numel=self.slot_numel)
 

@@ -48,6 +48,7 @@ def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, shar
     programs = tl.num_programs(0)
     step = programs * BLOCK
     count = tl.load(counts_ptr + pid) + 1
+    tl.debug_barrier()  # every warp has read the count before one thread stores the next
     tl.store(counts_ptr + pid, count)
     numel = WORLD * share
     slot = (count % 2) * 2 * numel  # [scatter region | gather region]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 def test_one_rank_sums_with_simulated_peers(world, rank):
     from pipeserve.kernels.push_sum import push_sum
 
-    n, slot_numel, grid = 2500, 4096, 3  # 2,500: not a multiple of the block, nor of the grid's stride
+    n, slot_numel, grid = 7000, 8192, 3  # 7,000: three strides of the grid (3 × 1,024), the last one partial
     slots = [torch.zeros(2 * world * slot_numel) for _ in range(world)]
     flags = [torch.zeros(grid * world, dtype=torch.int64) for _ in range(world)]
     counts = torch.zeros(grid, dtype=torch.int64)

@@ -2,7 +2,8 @@
 push kernel, PyTorch's one-shot and two-shot, and the choice among them that the forward makes,
 eager and replayed inside a CUDA graph (twice, on other rows each time: the push kernel's slots
 alternate and its flags count replays), equal the exact sum rounded once (what NCCL gives for
-two ranks); a tensor the buffer cannot hold goes through NCCL. On CPU, ``create`` declines and
+two ranks); the forward's choice pushes up to 8 MB; 32 pushes back to back in one graph, one
+rank held back on its device, stay exact; a tensor the buffer cannot hold goes through NCCL. On CPU, ``create`` declines and
 the sums stay with the process group."""
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ def _rank(rank: int, port: int, results) -> None:
         ctx = ParallelContext(rank=rank, world_size=2, tp_size=2, pp_size=1, tp_group=group, tp_reduce=reduce)
         out = {}
         assert reduce.push_max_numel == 1024 * HIDDEN
-        ways = {"auto": lambda t: tp_all_reduce(t, ctx), "push": reduce.push, "one-shot": reduce.one_shot,
+        pushed = []  # sizes the forward's choice sent through the push kernel
+        push = reduce.push
+        reduce.push = lambda t: pushed.append(t.numel() // HIDDEN) or push(t)
+        ways = {"auto": lambda t: tp_all_reduce(t, ctx), "push": push, "one-shot": reduce.one_shot,
                 "two-shot": reduce.two_shot}
         for rows in ROWS:
             calls = []  # three calls' rows, each rank's other than the last call's
@@ -68,10 +72,41 @@ def _rank(rank: int, port: int, results) -> None:
                     replayed.append(torch.equal(summed, want))
                 out[(rows, how)] = (all(eager), all(replayed), rows * HIDDEN <= reduce.buffer.numel())
                 graph.reset()
+        out["auto pushed"] = sorted(set(pushed))
+        out["burst"] = _burst(push, rank, device)
         results.put((rank, out))
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _burst(push, rank: int, device) -> bool:
+    """32 pushes of other rows and sizes back to back in one graph, with no host sync between
+    them (the slots alternate under load), replayed with rank 1 held back on its device first
+    (rank 0 runs ahead into the flags): every sum exact."""
+    sizes = [(1, 64, 512, 7)[k % 4] for k in range(32)]
+    inputs = [[_inputs(rows, r, device) * (k + 1) for r in (0, 1)] for k, rows in enumerate(sizes)]
+    wants = [(a.float() + b.float()).to(torch.bfloat16) for a, b in inputs]
+    statics = [parts[rank].clone() for parts in inputs]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        push(statics[0].clone())  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = [push(x) for x in statics]
+    ok = True
+    for _ in range(2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 1:
+            torch.cuda._sleep(50_000_000)  # ~25 ms of device time before its first push
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = ok and all(torch.equal(o, w) for o, w in zip(outs, wants))
+    graph.reset()
+    return ok
 
 
 @pytest.mark.gpu
@@ -90,6 +125,8 @@ def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
         p.join(timeout=60)
         assert p.exitcode == 0
     for rank in (0, 1):
+        assert got[rank].pop("burst"), rank
+        assert got[rank].pop("auto pushed") == [1, 128, 1024], rank  # up to 8 MB, no more
         for (rows, how), (eager, replayed, symmetric_path) in got[rank].items():
             assert eager and replayed, (rank, rows, how)
         assert sum(how == "push" for _, how in got[rank]) == 3  # 1, 128 and 1024 rows
