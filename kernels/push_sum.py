@@ -34,6 +34,23 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def exchange_flags(flag_ptrs, base, pid, count, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """After this program's stores: raise its flag (``base`` + pid × WORLD + RANK) on every peer
+    to ``count``, then wait until each peer's flag for this program has reached ``count`` here.
+    The CTA barrier before the release orders every thread's stores ahead of it; the one after
+    the acquiring spin orders every thread's reads after it."""
+    tl.debug_barrier()
+    for k in tl.static_range(1, WORLD):
+        pad = tl.load(flag_ptrs + (RANK + k) % WORLD).to(tl.pointer_type(tl.int64)) + base
+        tl.atomic_xchg(pad + pid * WORLD + RANK, count.to(tl.int64), sem="release", scope="sys")
+    mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64)) + base + pid * WORLD
+    for k in tl.static_range(1, WORLD):
+        while tl.atomic_add(mine + (RANK + k) % WORLD, 0, sem="acquire", scope="sys") < count:
+            pass
+    tl.debug_barrier()
+
+
+@triton.jit
 def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, slot_numel,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -51,15 +68,7 @@ def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, sl
             peer = (RANK + k) % WORLD
             dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot + RANK * slot_numel
             tl.store(dst + idx, v, mask=mask)
-    tl.debug_barrier()  # every thread's stores come before the release below
-    for k in tl.static_range(1, WORLD):
-        pad = tl.load(flag_ptrs + (RANK + k) % WORLD).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(pad + pid * WORLD + RANK, count.to(tl.int64), sem="release", scope="sys")
-    mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64)) + pid * WORLD
-    for k in tl.static_range(1, WORLD):
-        while tl.atomic_add(mine + (RANK + k) % WORLD, 0, sem="acquire", scope="sys") < count:
-            pass
-    tl.debug_barrier()
+    exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
     own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot
     for start in range(pid * BLOCK, numel, step):
         idx = start + offs

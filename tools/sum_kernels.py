@@ -26,6 +26,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from pipeserve.kernels.push_sum import exchange_flags
 from pipeserve.parallel.context import build_parallel_context
 from pipeserve.parallel.symmetric import SymmetricAllReduce, _PushState
 from tools.tp_steps import graph_us
@@ -61,15 +62,7 @@ def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, shar
             v = tl.load(x_ptr + peer * share + idx, mask=mask)
             dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot + RANK * share
             tl.store(dst + idx, v, mask=mask)
-    tl.debug_barrier()
-    for k in tl.static_range(1, WORLD):
-        pad = tl.load(flag_ptrs + (RANK + k) % WORLD).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(pad + pid * WORLD + RANK, count.to(tl.int64), sem="release", scope="sys")
-    mine = tl.load(flag_ptrs + RANK).to(tl.pointer_type(tl.int64)) + pid * WORLD
-    for k in tl.static_range(1, WORLD):
-        while tl.atomic_add(mine + (RANK + k) % WORLD, 0, sem="acquire", scope="sys") < count:
-            pass
-    tl.debug_barrier()
+    exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
     own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot
     for start in range(pid * BLOCK, share, step):
         idx = start + offs
@@ -86,15 +79,7 @@ def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, shar
             peer = (RANK + k) % WORLD
             dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot + numel + RANK * share
             tl.store(dst + idx, red, mask=mask)
-    tl.debug_barrier()
-    second = programs * WORLD  # the second flag of (program, rank)
-    for k in tl.static_range(1, WORLD):
-        pad = tl.load(flag_ptrs + (RANK + k) % WORLD).to(tl.pointer_type(tl.int64)) + second
-        tl.atomic_xchg(pad + pid * WORLD + RANK, count.to(tl.int64), sem="release", scope="sys")
-    for k in tl.static_range(1, WORLD):
-        while tl.atomic_add(mine + second + (RANK + k) % WORLD, 0, sem="acquire", scope="sys") < count:
-            pass
-    tl.debug_barrier()
+    exchange_flags(flag_ptrs, programs * WORLD, pid, count, RANK, WORLD)  # the second flags
     for start in range(pid * BLOCK, share, step):
         idx = start + offs
         mask = idx < share
