@@ -26,8 +26,8 @@ GEMMs need). Prints, per token count, ms per layer for each and the share of the
 the CPU (gloo, or one process) there are no streams: it checks that the halves compute what
 serial does, not the time.
 
-On 2 and 4 H200s none of them beat serial by more than 2% of the sums' time: the halves added
-3–69% of it (symmetric sums) and −2% to 75% (pull), async TP ran 5–128% slower (BENCHMARKS.md,
+On 2 and 4 GPUs of an H200 machine none of them beat serial by more than 2% of the sums' time:
+the halves added 3–69% of it (symmetric sums) and −2% to 75% (pull), async TP ran 6–128% slower (BENCHMARKS.md,
 "What the sums cost and what did not hide them").
 """
 
