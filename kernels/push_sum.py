@@ -3,21 +3,19 @@ symmetric buffer, raises a flag there, awaits the peers' flags and sums its own 
 
 Reading a peer's rows (PyTorch's one-shot) waits a round trip over NVLink for every block a
 program loads; a store is posted and the program goes on, so the rows cross at close to the
-link's rate. 64 sums replayed in a CUDA graph on two H200s: 8.4 µs a 1 MB sum against 14.7
-(PyTorch's one-shot) and 15.7 (its two-shot), 12.7 against 19.1 at 2 MB, 37.4 against 41.1 at
-8 MB; at 16 MB the two-shot wins (``tools/sum_kernels.py``). Four ranks store three copies of
-their rows and gain nothing over PyTorch's kernels there.
+link's rate. Where it wins (two ranks, up to 8 MB) and where PyTorch's kernels do: BENCHMARKS.md,
+"The sums through symmetric memory" (``tools/sum_kernels.py`` times them side by side).
 
-The memory, per rank (``parallel/symmetric.py`` allocates it): ``slots``, two slots that calls
-alternate, each a region of ``slot_numel`` elements per rank (rank r's rows land in region r);
-``flags``, one int64 per (program, rank): program p of rank r raises ``flags[p * world + r]``
-on every peer to the number of calls program p has made (``counts[p]``, kept on the device, so
-graph replays count too). Program p of every rank covers the same elements, so it waits for
-program p of each peer only, not for a barrier of the whole grid. A rank writes a slot again
-two calls later, after that peer's program has raised its flag of the call between, which it
-does only after its kernel of the earlier call has ended (kernels of one stream run in order):
-two slots are enough. Every rank must make the same calls in the same order, as the ranks of
-a TP group do.
+The memory, per rank (``parallel/symmetric.py`` allocates it): ``slots``, two slots that
+successive sums alternate, each a region of ``slot_numel`` elements per rank (rank r's rows land
+in region r); ``flags``, one int64 per (program, rank): program p of rank r raises
+``flags[p * world + r]`` on every peer to the number of sums program p has made (``counts[p]``,
+kept on the device, so graph replays count too). Program p of every rank covers the same
+elements, so it waits for program p of each peer only, not for a barrier of the whole grid. A
+rank writes a slot again two sums later, after that peer's program has raised its flag of the
+sum between, which it does only after its kernel of the sum before has ended (kernels of one
+stream run in order): two slots are enough. Every rank must make the same sums in the same
+order, as the ranks of a TP group do.
 
 Torch reference: the rows of every rank summed in float32 in rank order, rounded once
 (``push_sum_reference``); every rank gets the same bits.
@@ -55,7 +53,7 @@ def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, sl
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
-    count = tl.load(counts_ptr + pid) + 1  # this program's calls, the same on every rank
+    count = tl.load(counts_ptr + pid) + 1  # this program's sums so far, the same on every rank
     tl.debug_barrier()  # every warp has read the count before one thread stores the next
     tl.store(counts_ptr + pid, count)
     slot = (count % 2) * WORLD * slot_numel
@@ -77,7 +75,7 @@ def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, sl
         for r in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
             if r == RANK:
                 acc += tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            else:  # .cg: the peer's stores, not a line this SM cached two calls ago
+            else:  # .cg: the peer's stores, not a line this SM cached two sums ago
                 acc += tl.load(own + r * slot_numel + idx, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
