@@ -1,46 +1,100 @@
-"""kernels/push_sum in the Triton interpreter: one rank's side of a two- and a three-rank sum,
-the peers simulated in memory (their rows already pushed into this rank's slots, their flags
-already raised), over three calls: this rank's rows land in every peer's region for it, in the
-slot the call alternates to; its flags count the calls; the sum is the reference's, bit for
-bit. The peers' side runs on two GPUs in tests/mp/test_symmetric_allreduce.py."""
+"""kernels/push_sum, one rank's side of a two- and a three-rank sum with the peers simulated in
+memory (their rows already pushed into this rank's slots, their flags already raised), over
+several calls: this rank's rows land in every peer's region for it, in the slot the call
+alternates to; its flags count the calls; the sum is the reference's, bit for bit. The same for
+the sum fused with the residual add and RMSNorm (``push_add_rms_norm``), called between plain
+sums on the same slots, flags and counts: its new residual is the reference's bit for bit, its
+norm the reference's to rounding (the squares may add in another order). In the Triton
+interpreter (float32) and natively on one GPU (float32 and bfloat16: the simulated peers are
+tensors on the same device). The peers' side runs on two GPUs in
+tests/mp/test_symmetric_allreduce.py."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers_kernels import DEVICE, NATIVE, interpreter_array_warning, runs_triton
 
-from pipeserve.kernels.reference import push_sum_reference
+from pipeserve.kernels.reference import add_rms_norm_reference, push_sum_reference
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+pytestmark = [runs_triton, interpreter_array_warning]
+# The interpreter's bfloat16 is wrong (numpy has none): float32 there.
+DTYPES = [torch.float32, torch.bfloat16] if NATIVE else [torch.float32]
 
 
+def _memory(world: int, rank: int, slot_numel: int, grid: int, dtype: torch.dtype) -> tuple[list, list, dict]:
+    """Every rank's slots and flags (this rank's and the simulated peers'), and the keyword
+    arguments of this rank's calls."""
+    slots = [torch.zeros(2 * world * slot_numel, dtype=dtype, device=DEVICE) for _ in range(world)]
+    flags = [torch.zeros(grid * world, dtype=torch.int64, device=DEVICE) for _ in range(world)]
+    memory = dict(rank=rank, world=world, slot_numel=slot_numel,
+                  slot_ptrs=torch.tensor([t.data_ptr() for t in slots], dtype=torch.int64, device=DEVICE),
+                  flag_ptrs=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE),
+                  counts=torch.zeros(grid, dtype=torch.int64, device=DEVICE))
+    return slots, flags, memory
+
+
+def _peers_push(slots, flags, parts, rank: int, call: int, slot_numel: int) -> None:
+    """The peers' side of call ``call``: their rows in this rank's regions for them, their flags
+    raised."""
+    world = len(slots)
+    slot = (call % 2) * world * slot_numel
+    for peer in range(world):
+        if peer != rank:
+            region = slot + peer * slot_numel
+            slots[rank][region:region + parts[peer].numel()] = parts[peer].reshape(-1)
+            flags[rank][peer::world] = call
+
+
+def _check_pushed(slots, flags, memory, mine: torch.Tensor, call: int) -> None:
+    """This rank's rows in every peer's region for it, its flags there and its counts at ``call``."""
+    world, rank, slot_numel = memory["world"], memory["rank"], memory["slot_numel"]
+    region = (call % 2) * world * slot_numel + rank * slot_numel
+    grid = memory["counts"].numel()
+    for peer in range(world):
+        if peer != rank:
+            assert torch.equal(slots[peer][region:region + mine.numel()], mine.reshape(-1))
+            assert flags[peer][rank::world].tolist() == [call] * grid
+    assert memory["counts"].tolist() == [call] * grid
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world,rank", [(2, 0), (2, 1), (3, 1)])
-def test_one_rank_sums_with_simulated_peers(world, rank):
+def test_one_rank_sums_with_simulated_peers(world, rank, dtype):
     from pipeserve.kernels.push_sum import push_sum
 
     n, slot_numel, grid = 7000, 8192, 3  # 7,000: three strides of the grid (3 × 1,024), the last one partial
-    slots = [torch.zeros(2 * world * slot_numel) for _ in range(world)]
-    flags = [torch.zeros(grid * world, dtype=torch.int64) for _ in range(world)]
-    counts = torch.zeros(grid, dtype=torch.int64)
-    slot_ptrs = torch.tensor([s.data_ptr() for s in slots], dtype=torch.int64)
-    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    slots, flags, memory = _memory(world, rank, slot_numel, grid, dtype)
     g = torch.Generator().manual_seed(7 * world + rank)
     for call in (1, 2, 3):
-        parts = [torch.randn(n, generator=g) for _ in range(world)]
-        slot = (call % 2) * world * slot_numel
-        for peer in range(world):
-            if peer != rank:  # the peer's push of its rows into this rank's region for it
-                slots[rank][slot + peer * slot_numel:slot + peer * slot_numel + n] = parts[peer]
-                flags[rank][peer::world] = call
-        out = torch.empty(n)
-        push_sum(parts[rank], out, rank=rank, world=world, slot_ptrs=slot_ptrs, flag_ptrs=flag_ptrs,
-                 counts=counts, slot_numel=slot_numel)
+        parts = [torch.randn(n, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+        _peers_push(slots, flags, parts, rank, call, slot_numel)
+        out = push_sum(parts[rank], torch.empty_like(parts[rank]), **memory)
         assert torch.equal(out, push_sum_reference(parts))
-        for peer in range(world):
-            if peer != rank:
-                region = slot + rank * slot_numel
-                assert torch.equal(slots[peer][region:region + n], parts[rank])
-                assert flags[peer][rank::world].tolist() == [call] * grid
-        assert counts.tolist() == [call] * grid
+        _check_pushed(slots, flags, memory, parts[rank], call)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world,rank,H", [(2, 1, 48), (3, 2, 48), (2, 0, 4096)])
+def test_the_fused_norm_shares_the_sums_memory(world, rank, H, dtype):
+    from pipeserve.kernels.push_sum import push_add_rms_norm, push_sum
+
+    T, grid, eps = 7, 3, 1e-5  # 7 rows: three strides of the grid, the last partial
+    slot_numel = T * H + 64
+    slots, flags, memory = _memory(world, rank, slot_numel, grid, dtype)
+    g = torch.Generator().manual_seed(11 * world + rank)
+    weight = (torch.rand(H, generator=g) + 0.5).to(dtype).to(DEVICE)
+    for call, fused in ((1, False), (2, True), (3, True), (4, False)):
+        parts = [torch.randn(T, H, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+        _peers_push(slots, flags, parts, rank, call, slot_numel)
+        if fused:
+            residual = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+            normed, new_residual = push_add_rms_norm(parts[rank], residual, weight, eps, **memory)
+            want_normed, want_residual = add_rms_norm_reference(push_sum_reference(parts), residual, weight, eps)
+            assert torch.equal(new_residual, want_residual)
+            tol = {} if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(normed, want_normed, **tol)  # the squares' order: an ulp
+        else:
+            out = push_sum(parts[rank], torch.empty_like(parts[rank]), **memory)
+            assert torch.equal(out, push_sum_reference(parts))
+        _check_pushed(slots, flags, memory, parts[rank], call)
