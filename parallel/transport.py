@@ -18,6 +18,9 @@ after its SUB socket has received one. Hence when ``EngineChannel.handshake()`` 
 ``Hello`` from every rank) every worker's subscription is live, and PUB/SUB over TCP delivers
 the plans that follow to all of them, in order. The plan socket never drops silently either:
 it is set to block (bounded) instead when a worker falls behind by a whole high-water mark.
+A worker waiting for ``Ready`` leaves at once when the engine publishes ``Shutdown`` instead
+(it stopped during start-up: ``EngineShutdown``) or when the process that started the worker
+(torchrun, or the engine) has exited (``LauncherGone``), not at the handshake's timeout.
 
 Authentication. Every socket speaks CURVE with the run's key (``parallel.auth``): the engine's
 two sockets are servers that admit only holders of that key, so no other process can read a
@@ -78,6 +81,17 @@ class TransportError(RuntimeError):
 
 class TransportTimeout(TransportError, TimeoutError):
     """A bounded wait of the control plane ran out."""
+
+
+class EngineShutdown(TransportError):
+    """The engine shut down before its handshake with this worker: nothing to serve."""
+
+
+class LauncherGone(TransportError):
+    """The process that started this worker exited while the worker waited for the engine."""
+
+
+_PARENT_CHECK_S = 0.5  # how often a worker waiting for Ready looks for its parent
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -411,6 +425,7 @@ class WorkerChannel:
         self.session: str | None = None
         self._on_engine_lost = on_engine_lost
         self._busy_s = busy_s
+        self._parent = os.getppid()  # torchrun or the engine; another one later: it has exited
         self._ctx = zmq.Context()
         self._sub = self._client(zmq.SUB, plan_endpoint, subscribe=_PLAN_TOPIC)
         self._push = self._client(zmq.PUSH, result_endpoint, send_timeout_s=config.send_timeout_s)
@@ -441,7 +456,9 @@ class WorkerChannel:
     def handshake(self) -> str:
         """Wait for the engine's ``Ready``, answer ``Hello``, start heartbeats; return the session.
 
-        Raises ``TransportTimeout`` after ``handshake_timeout_s`` without a ``Ready``.
+        Raises ``TransportTimeout`` after ``handshake_timeout_s`` without a ``Ready``,
+        ``EngineShutdown`` on a ``Shutdown`` before it, ``LauncherGone`` once the process that
+        started this one has exited.
         """
         ready = self._wait_ready(time.monotonic() + self.config.handshake_timeout_s)
         if ready.world_size != self.hello.world_size:
@@ -460,15 +477,22 @@ class WorkerChannel:
 
     def _wait_ready(self, deadline: float) -> Ready:
         while True:
+            if os.getppid() != self._parent:
+                raise LauncherGone(f"rank {self.rank}: the process that started it (pid {self._parent}) "
+                                   "exited before the engine's Ready")
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not _poll(self._sub, remaining):
+            if remaining <= 0:
                 raise TransportTimeout(
                     f"rank {self.rank}: no Ready from the engine at {self.plan_endpoint} "
                     f"within {self.config.handshake_timeout_s:g}s"
                 )
+            if not _poll(self._sub, min(remaining, _PARENT_CHECK_S)):
+                continue
             msg = self._read()
             if isinstance(msg, Ready):
                 return msg
+            if isinstance(msg, Shutdown):
+                raise EngineShutdown(f"rank {self.rank}: the engine shut down before its Ready ({msg.reason})")
 
     def _read(self) -> Message:
         _topic, payload = self._sub.recv_multipart(zmq.NOBLOCK)

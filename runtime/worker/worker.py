@@ -37,7 +37,7 @@ from pipeserve.parallel.context import ParallelContext, build_parallel_context, 
 from pipeserve.parallel.feedback import FeedbackReceiver, FeedbackSender, warm_up
 from pipeserve.parallel.stage_plan import plan_model_stages
 from pipeserve.parallel.symmetric import SymmetricAllReduce
-from pipeserve.parallel.transport import TransportConfig, WorkerChannel
+from pipeserve.parallel.transport import EngineShutdown, LauncherGone, TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import PromptLogprobs, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime import progress
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
@@ -658,6 +658,9 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
         )
         channel.handshake()
         worker.serve(channel)
+    except (EngineShutdown, LauncherGone) as e:  # stopped during start-up: nobody to tell
+        print(f"pipeserve worker: {e}", file=sys.stderr)
+        sys.exit(0 if isinstance(e, EngineShutdown) else 1)
     except Exception as e:
         if channel is not None:
             channel.send(WorkerError(rank=rank, message=f"{type(e).__name__}: {e}"))

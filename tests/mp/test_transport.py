@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -14,6 +15,7 @@ from zmq.utils import z85
 from pipeserve.parallel.auth import RunKey
 from pipeserve.parallel.transport import (
     EngineChannel,
+    EngineShutdown,
     TransportConfig,
     TransportError,
     TransportTimeout,
@@ -221,6 +223,88 @@ def test_worker_handshake_times_out_without_engine():
         assert channel.recv_plan(timeout_s=0.05) is None
     finally:
         channel.close()
+
+
+def test_a_worker_waiting_for_ready_leaves_on_shutdown():
+    """The engine stops during start-up (its Shutdown, no Ready): the waiting worker leaves at
+    once, not at its handshake timeout."""
+    engine = EngineChannel(fast_config(), world_size=1, key=KEY)
+    channel = WorkerChannel(fast_config(handshake_timeout_s=20.0), rank=0, world_size=1, stage=0, tp_rank=0,
+                            plan_endpoint=engine.plan_endpoint, result_endpoint=engine.result_endpoint, key=KEY)
+    outcome = []
+    waiting = threading.Thread(target=lambda: outcome.append(_raised(channel.handshake)), daemon=True)
+    try:
+        waiting.start()
+        started = time.monotonic()
+        while waiting.is_alive() and time.monotonic() - started < 5.0:  # until its subscription is live
+            engine.send_plan(Shutdown(reason="stopped during start-up"))
+            waiting.join(timeout=0.1)
+        assert outcome and isinstance(outcome[0], EngineShutdown), outcome
+        assert "stopped during start-up" in str(outcome[0])
+        assert time.monotonic() - started < 5.0
+    finally:
+        channel.close()
+        engine.close()
+
+
+def _raised(fn) -> BaseException | None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 (the test inspects it)
+        return e
+    return None
+
+
+# A worker waiting for an engine that never comes (nothing listens at port 9), and the process
+# that starts it and prints its pid; the worker writes why it left to the file named last.
+_WAITING_WORKER = """
+import sys
+from zmq.utils import z85
+from pipeserve.parallel.auth import RunKey
+from pipeserve.parallel.transport import LauncherGone, TransportConfig, WorkerChannel
+channel = WorkerChannel(TransportConfig(handshake_timeout_s=60.0), rank=0, world_size=1, stage=0, tp_rank=0,
+                        plan_endpoint="tcp://127.0.0.1:9", result_endpoint="tcp://127.0.0.1:9",
+                        key=RunKey.from_secret(z85.encode(bytes(range(32)))))
+print("waiting", flush=True)
+try:
+    channel.handshake()
+except LauncherGone as e:
+    open(sys.argv[1], "w").write(str(e))
+    sys.exit(7)
+finally:
+    channel.close()
+"""
+_LAUNCHER = """
+import subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+print(worker.pid, flush=True)
+worker.wait()
+"""
+
+
+def test_a_worker_whose_launcher_dies_leaves_the_handshake(tmp_path):
+    """torchrun killed while its workers wait for the engine's Ready (the engine stopped during
+    start-up): they leave within a second, not after the handshake timeout (60 s here), so no
+    orphan holds a Slurm job."""
+    marker = tmp_path / "left"
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WAITING_WORKER, str(marker)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        worker_pid = int(launcher.stdout.readline())
+        assert launcher.stdout.readline().strip() == "waiting"  # the worker is in its handshake
+        launcher.kill()
+        launcher.wait(timeout=5)
+        deadline = time.monotonic() + 10.0
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), "the orphaned worker is still waiting for the engine"
+        assert f"pid {launcher.pid}) exited before the engine's Ready" in marker.read_text()
+    finally:
+        launcher.kill()
+        try:
+            os.kill(worker_pid, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
 
 
 def test_world_size_mismatch_is_rejected():
