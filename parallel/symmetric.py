@@ -25,7 +25,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pipeserve.kernels.push_sum import MAX_NORM_HIDDEN, push_add_rms_norm, push_sum
+from pipeserve.kernels.push_sum import push_sum
 
 logger = logging.getLogger(__name__)
 
@@ -83,13 +83,6 @@ class _PushState:
         return push_sum(x, torch.empty_like(x), rank=self.rank, world=self.world, slot_ptrs=self.slot_ptrs,
                         flag_ptrs=self.flag_ptrs, counts=self.counts, slot_numel=self.slot_numel)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        assert x.dtype == self.slots.dtype and x.device == self.slots.device, (x.dtype, x.device)
-        return push_add_rms_norm(x, residual, weight, eps, rank=self.rank, world=self.world,
-                                 slot_ptrs=self.slot_ptrs, flag_ptrs=self.flag_ptrs, counts=self.counts,
-                                 slot_numel=self.slot_numel)
-
 
 class SymmetricAllReduce:
     """Sums tensors over ``group`` through one symmetric buffer of ``max_numel`` elements."""
@@ -144,17 +137,6 @@ class SymmetricAllReduce:
     def push(self, x: torch.Tensor) -> torch.Tensor:
         """The sum through ``kernels/push_sum`` (``x.numel() <= push_max_numel``)."""
         return self._push(x)
-
-    def fits_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        """Whether ``push_add_rms_norm`` takes ``x`` (the sum's rows) and ``residual``."""
-        return (residual is not None and x.dim() == 2 and x.shape[1] <= MAX_NORM_HIDDEN
-                and x.numel() <= self.push_max_numel and self.fits(x) and residual.is_contiguous())
-
-    def push_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(sum + residual) * weight, sum + residual), the sum of ``x`` over the group, in
-        one kernel (``fits_norm(x, residual)`` must hold)."""
-        return self._push.add_rms_norm(x, residual, weight, eps)
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         """The sum with every peer's rows read whole (``x`` copied into the buffer), at any size

@@ -7,10 +7,7 @@ PyTorch's symmetric-memory one-shot (every peer's rows read whole) and two-shot 
 reduced per rank, then gathered), pipeserve's push kernel (``kernels/push_sum.py``: the rows
 stored into every peer's buffer) and a candidate two-shot of it for more ranks
 (``_push_two_shot_kernel`` below, not yet timed on GPUs), each with one program per SM and with
-each of ``--grids``. With two ranks, also the sum followed by the next layer's residual add and
-RMSNorm, as two kernels (the push, then ``kernels/rms_norm``) and as the one fused kernel
-(``push_add_rms_norm``), checked against each other (the new residual bit for bit, the norm
-within a bf16 rounding), µs for both. Every
+each of ``--grids``. Every
 kernel is first checked on four eager calls with other rows each call against the exact sum
 (two ranks: bit for bit, the sum rounded once; more: within a bf16 ulp of the largest); the
 graph replays that are timed are not checked. Rank 0 prints a table of µs a sum; ``--out``
@@ -30,7 +27,6 @@ import triton
 import triton.language as tl
 
 from pipeserve.kernels.push_sum import exchange_flags
-from pipeserve.kernels.rms_norm import add_rms_norm
 from pipeserve.parallel.context import build_parallel_context
 from pipeserve.parallel.symmetric import SymmetricAllReduce, _PushState
 from tools.tp_steps import graph_us
@@ -121,21 +117,6 @@ class PushTwoShot:
         return out
 
 
-def _with_norm(reduce: SymmetricAllReduce, x: torch.Tensor, rank: int) -> dict:
-    """The sum then the residual add and RMSNorm: two kernels against the fused one."""
-    g = torch.Generator().manual_seed(x.shape[0])  # the residual and weight: the same on both ranks
-    residual = torch.randn(x.shape, generator=g).to(torch.bfloat16).to(x.device)
-    weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).to(x.device)
-    two = lambda t: add_rms_norm(reduce.push(t), residual, weight, 1e-5)  # noqa: E731
-    fused = lambda t: reduce.push_add_rms_norm(t, residual, weight, 1e-5)  # noqa: E731
-    ok = True
-    for call in range(3):
-        (a, ra), (b, rb) = two(x + call), fused(x + call)
-        ok = ok and torch.equal(ra, rb) and torch.allclose(a.float(), b.float(), rtol=1.6e-2, atol=1e-2)
-    return {"push, then norm": {"us": graph_us(lambda t: two(t)[0], x), "exact": ok},
-            "push + norm fused": {"us": graph_us(lambda t: fused(t)[0], x), "exact": ok}}
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 128, 256, 512, 1024, 2048],
@@ -174,20 +155,18 @@ def main(argv=None) -> dict:
                      (a.float() - b.float()).abs().max().item() <= 2 ** -7 * b.float().abs().max().item()
                      for a, b in got)
             row[name] = {"us": graph_us(fn, x), "exact": ok}
-        if world == 2 and x.numel() <= reduce.push_max_numel:
-            row.update(_with_norm(reduce, x, rank))
         table[rows] = row
     ok_all = torch.tensor([all(k["exact"] for r in table.values() for k in r.values())], device=device,
                           dtype=torch.int32)
     dist.all_reduce(ok_all, op=dist.ReduceOp.MIN)
     if rank == 0:
-        names = list(dict.fromkeys(n for row in table.values() for n in row))
+        names = list(kernels)
         print(f"\n{torch.cuda.get_device_name()}; tp={world}; µs a sum, 64 in a CUDA graph"
               f"{'' if ok_all.item() else '; WRONG results on some rank (marked * on rank 0)'}")
         print("| rows of 4096 (KB) | " + " | ".join(names) + " |")
         print("|---" * (len(names) + 1) + "|")
         for rows, row in table.items():
-            cells = [f"{row[n]['us']:.1f}{'' if row[n]['exact'] else '*'}" if n in row else "" for n in names]
+            cells = [f"{row[n]['us']:.1f}{'' if row[n]['exact'] else '*'}" for n in names]
             print(f"| {rows} ({rows * HIDDEN * 2 // 1024}) | " + " | ".join(cells) + " |")
         if args.out:
             with open(args.out, "w") as f:
