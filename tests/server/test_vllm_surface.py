@@ -161,9 +161,22 @@ def grew(after: dict, before: dict, name: str, labels: tuple = ()) -> float:
     return after.get((name, labels), 0) - before.get((name, labels), 0)
 
 
-def test_vllm_metrics_count_what_was_sent(server):
+def settled_scrape(server, name: str = "vllm:prefix_cache_queries_total") -> dict:
+    """A scrape once the server is idle and the engine's counter ``name`` has stopped moving
+    (the engine's figures arrive with its stats messages, every 0.5 s and when it goes idle: an
+    earlier test's last ones may still be on their way)."""
     server.wait_idle(timeout_s=60)
-    before = scrape(server)
+    last, deadline = scrape(server), time.monotonic() + 30
+    while True:
+        time.sleep(1.0)
+        now = scrape(server)
+        if now.get((name, ())) == last.get((name, ())) or time.monotonic() > deadline:
+            return now
+        last = now
+
+
+def test_vllm_metrics_count_what_was_sent(server):
+    before = settled_scrape(server)
     prompts = ["Hello there", "Name a planet.", "What do bees make? Answer in one word."]
     usages = []
     for p in prompts:
