@@ -3,8 +3,15 @@ symmetric buffer, raises a flag there, awaits the peers' flags and sums its own 
 
 Reading a peer's rows (PyTorch's one-shot) waits a round trip over NVLink for every block a
 program loads; a store is posted and the program goes on, so the rows cross at close to the
-link's rate. Where it wins (two ranks, up to 8 MB) and where PyTorch's kernels do: BENCHMARKS.md,
+link's rate. Where it wins (two ranks, up to 4 MB) and where PyTorch's kernels do: BENCHMARKS.md,
 "The sums through symmetric memory" (``tools/sum_kernels.py`` times them side by side).
+
+``push_two_shot`` is the same exchange as a two-shot, for larger sums: rank r owns slice r of
+the rows; each rank stores slice k of its rows into rank k's scatter region, raises its first
+flag, awaits the peers', sums its own slice (rank order), stores that sum into its output and
+into every peer's gather region, raises its second flag, awaits the peers' and copies their
+sums out of its gather region. A rank stores 2 (W - 1) / W of its rows' bytes where the push
+above stores W - 1 copies of them, and each rank adds one slice instead of all rows.
 
 The memory, per rank (``parallel/symmetric.py`` allocates it): ``slots``, two slots that
 successive sums alternate, each a region of ``slot_numel`` elements per rank (rank r's rows land
@@ -16,6 +23,13 @@ rank writes a slot again two sums later, after that peer's program has raised it
 sum between, which it does only after its kernel of the sum before has ended (kernels of one
 stream run in order): two slots are enough. Every rank must make the same sums in the same
 order, as the ranks of a TP group do.
+
+``push_two_shot``'s memory is its own, laid out alike: two slots, each a scatter region then a
+gather region of ``slot_numel`` elements (slice r of either at r × share), and flags [2,
+programs, world] (the first round's, then the second's). A rank's first flag of a sum is raised
+only after its kernel of the sum before has ended, the gather reads included, so a slot is again
+free once that flag has been seen; its offsets are fixed by ``slot_numel``, so sums of any sizes
+may follow each other.
 
 Torch reference: the rows of every rank summed in float32 in rank order, rounded once
 (``push_sum_reference``); every rank gets the same bits.
@@ -91,4 +105,64 @@ def push_sum(x: torch.Tensor, out: torch.Tensor, *, rank: int, world: int, slot_
     assert slot_ptrs.numel() == flag_ptrs.numel() == world and 0 <= rank < world
     _push_sum_kernel[(counts.numel(),)](x, out, slot_ptrs, flag_ptrs, counts, x.numel(), slot_numel,
                                         RANK=rank, WORLD=world, BLOCK=BLOCK, num_warps=NUM_WARPS)
+    return out
+
+
+@triton.jit
+def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, share, slot_numel,
+                          RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    step = programs * BLOCK
+    count = tl.load(counts_ptr + pid) + 1  # this program's sums so far, the same on every rank
+    tl.debug_barrier()  # every warp has read the count before one thread stores the next
+    tl.store(counts_ptr + pid, count)
+    slot = (count % 2) * 2 * slot_numel  # [scatter region | gather region]
+    dtype = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    for start in range(pid * BLOCK, share, step):  # slice k of my rows -> rank k's scatter region
+        idx = start + offs
+        mask = idx < share
+        for k in tl.static_range(1, WORLD):
+            peer = (RANK + k) % WORLD
+            v = tl.load(x_ptr + peer * share + idx, mask=mask)
+            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + RANK * share
+            tl.store(dst + idx, v, mask=mask)
+    exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
+    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(dtype)) + slot
+    for start in range(pid * BLOCK, share, step):  # my slice's sum -> my output, every gather region
+        idx = start + offs
+        mask = idx < share
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
+            if r == RANK:
+                acc += tl.load(x_ptr + RANK * share + idx, mask=mask, other=0.0).to(tl.float32)
+            else:  # .cg: the peer's stores, not a line this SM cached two sums ago
+                acc += tl.load(own + r * share + idx, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        red = acc.to(dtype)
+        tl.store(out_ptr + RANK * share + idx, red, mask=mask)
+        for k in tl.static_range(1, WORLD):
+            peer = (RANK + k) % WORLD
+            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + slot_numel + RANK * share
+            tl.store(dst + idx, red, mask=mask)
+    exchange_flags(flag_ptrs, programs * WORLD, pid, count, RANK, WORLD)  # the second round's flags
+    for start in range(pid * BLOCK, share, step):  # the peers' sums, out of my gather region
+        idx = start + offs
+        mask = idx < share
+        for k in tl.static_range(1, WORLD):
+            peer = (RANK + k) % WORLD
+            v = tl.load(own + slot_numel + peer * share + idx, mask=mask, cache_modifier=".cg")
+            tl.store(out_ptr + peer * share + idx, v, mask=mask)
+
+
+def push_two_shot(x: torch.Tensor, out: torch.Tensor, *, rank: int, world: int, slot_ptrs: torch.Tensor,
+                  flag_ptrs: torch.Tensor, counts: torch.Tensor, slot_numel: int) -> torch.Tensor:
+    """``out`` = the sum of ``x`` over the ranks, as ``push_sum`` (the same bits), in two
+    rounds; ``x.numel()`` a multiple of ``world``. The memory: the module's docstring."""
+    assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype
+    assert x.numel() <= slot_numel and x.numel() % world == 0, (x.numel(), slot_numel, world)
+    assert slot_ptrs.dtype == flag_ptrs.dtype == counts.dtype == torch.int64
+    assert slot_ptrs.numel() == flag_ptrs.numel() == world and 0 <= rank < world
+    _push_two_shot_kernel[(counts.numel(),)](x, out, slot_ptrs, flag_ptrs, counts, x.numel() // world, slot_numel,
+                                             RANK=rank, WORLD=world, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out

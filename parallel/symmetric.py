@@ -8,9 +8,10 @@ others' copy of one buffer (``torch.distributed._symmetric_memory``): a one-shot
 reads each peer's rows straight over NVLink and sums them; a two-shot one reduces a slice per
 rank and then gathers the slices, moving half the bytes per rank, which wins on large messages.
 Both run as a single kernel with a barrier among the ranks on either side, so they replay
-inside the CUDA graphs as NCCL's do. Two ranks sum up to 8 MB (``push_max_bytes``) with pipeserve's
-own kernel instead (``kernels/push_sum.py``): it stores its rows into the peer's buffer rather than
-reading the peer's, 8.4 µs a 1 MB sum against PyTorch's 14.7.
+inside the CUDA graphs as NCCL's do. Two ranks sum with pipeserve's own kernels instead
+(``kernels/push_sum.py``), which store their rows into the peer's buffer rather than read the
+peer's: up to 4 MB the push (``push_max_bytes``; 8.4 µs a 1 MB sum against PyTorch's 14.7),
+above it the push's two-shot (``push_two_shot_max_bytes``; 65.2 µs a 16 MB sum against 74.5).
 
 Only point-to-point NVLink access is used, never NVLink multicast (``multimem``):
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` is set before the first allocation unless the caller set it.
@@ -25,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pipeserve.kernels.push_sum import push_sum
+from pipeserve.kernels.push_sum import push_sum, push_two_shot
 
 logger = logging.getLogger(__name__)
 
@@ -41,22 +42,32 @@ def one_shot_max_bytes(world_size: int) -> int:
 
 
 def push_max_bytes(world_size: int) -> int:
-    """Sums up to this size go through ``kernels/push_sum`` (0: never). Two ranks, 64 sums in a
-    CUDA graph on two H200s (``tools/sum_kernels.py``): it beat both PyTorch kernels from 128 KB
-    (4.7 µs against 7.8) to 8 MB (37.4 against 41.1 for the two-shot) and lost at 16 MB (79.5
-    against 74.6). Four ranks push three copies of their rows: 13.3 against 13.5 µs at 512 KB,
-    19.0 against 17.2 (two-shot) at 1 MB, at most 0.8 µs gained below; they keep PyTorch's
-    kernels."""
-    return 8 << 20 if world_size == 2 else 0
+    """Sums up to this size go through ``kernels/push_sum``'s push (0: never). Two ranks, 64 sums
+    in a CUDA graph on two H200s (``tools/sum_kernels.py``): it beat both PyTorch kernels from
+    128 KB (4.7 µs against 7.8) to 8 MB (37.4 against 41.1 for the two-shot) and lost at 16 MB
+    (79.5 against 74.6); its two-shot beats it from 8 MB (35.1 µs; 4 MB: 20.9 against 20.7).
+    Four ranks push three copies of their rows: 13.3 against 13.5 µs at 512 KB, 19.0 against
+    17.2 (two-shot) at 1 MB, at most 0.8 µs gained below; they keep PyTorch's kernels."""
+    return 4 << 20 if world_size == 2 else 0
+
+
+def push_two_shot_max_bytes(world_size: int) -> int:
+    """Sums above ``push_max_bytes`` and up to this size go through ``kernels/push_sum``'s
+    two-shot (0: never). Two ranks (the same tool and cards): 35.1 µs at 8 MB against 37.4 for
+    the push and 40.6 for PyTorch's two-shot, 50.3 at 12 MB against 55.3 / 56.5, 65.2 at 16 MB
+    against 78.7 / 74.5; the forward's largest sum (a 2,048-token step of the 8B shape) is 16 MB,
+    and its buffer bounds it. Four ranks: not yet timed; PyTorch's kernels."""
+    return 1 << 40 if world_size == 2 else 0
 
 
 class _PushState:
-    """``kernels/push_sum``'s memory on this rank: two slots of a region per rank, a flag per
-    (program, rank), this rank's call counts; ``programs`` (default: one per SM) the same on
+    """``kernels/push_sum``'s memory on this rank, for its push or (``two_shot``) its two-shot: two
+    slots (of a region per rank, or of a scatter and a gather region), a flag per (program, rank)
+    (two with ``two_shot``), this rank's sum counts; ``programs`` (default: one per SM) the same on
     every rank."""
 
     def __init__(self, group: dist.ProcessGroup, *, numel: int, dtype: torch.dtype, device: torch.device,
-                 programs: int | None = None) -> None:
+                 programs: int | None = None, two_shot: bool = False) -> None:
         from torch.distributed import _symmetric_memory as symm_mem
 
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -64,9 +75,10 @@ class _PushState:
             sms = torch.tensor([torch.cuda.get_device_properties(device).multi_processor_count], device=device)
             dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
             programs = int(sms.item())
-        self.slot_numel = numel
-        self.slots = symm_mem.empty(2 * self.world * numel, dtype=dtype, device=device)
-        self.flags = symm_mem.empty(programs * self.world, dtype=torch.int64, device=device)
+        self.slot_numel, self.two_shot = numel, two_shot
+        regions, rounds = (2, 2) if two_shot else (self.world, 1)
+        self.slots = symm_mem.empty(2 * regions * numel, dtype=dtype, device=device)
+        self.flags = symm_mem.empty(rounds * programs * self.world, dtype=torch.int64, device=device)
         self.flags.zero_()
         self.counts = torch.zeros(programs, dtype=torch.int64, device=device)
         handles = [symm_mem.rendezvous(t, group) for t in (self.slots, self.flags)]
@@ -80,8 +92,9 @@ class _PushState:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # the peers' regions hold slot_numel of this dtype: another would write past them
         assert x.dtype == self.slots.dtype and x.device == self.slots.device, (x.dtype, x.device)
-        return push_sum(x, torch.empty_like(x), rank=self.rank, world=self.world, slot_ptrs=self.slot_ptrs,
-                        flag_ptrs=self.flag_ptrs, counts=self.counts, slot_numel=self.slot_numel)
+        kernel = push_two_shot if self.two_shot else push_sum
+        return kernel(x, torch.empty_like(x), rank=self.rank, world=self.world, slot_ptrs=self.slot_ptrs,
+                      flag_ptrs=self.flag_ptrs, counts=self.counts, slot_numel=self.slot_numel)
 
 
 class SymmetricAllReduce:
@@ -101,6 +114,10 @@ class SymmetricAllReduce:
         self.one_shot_max_bytes = one_shot_max_bytes(world)
         push_numel = min(max_numel, push_max_bytes(world) // self.buffer.element_size())
         self._push = _PushState(group, numel=push_numel, dtype=dtype, device=device) if push_numel else None
+        two_shot_numel = min(max_numel, push_two_shot_max_bytes(world) // self.buffer.element_size())
+        self._push_two_shot = None
+        if two_shot_numel > push_numel:
+            self._push_two_shot = _PushState(group, numel=two_shot_numel, dtype=dtype, device=device, two_shot=True)
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, *, max_numel: int, dtype: torch.dtype,
@@ -126,6 +143,9 @@ class SymmetricAllReduce:
         """The sum of ``x`` over the group, a new tensor (``fits(x)`` must hold)."""
         if self._push is not None and x.numel() <= self._push.slot_numel:
             return self.push(x)
+        if self._push_two_shot is not None and x.numel() <= self._push_two_shot.slot_numel \
+                and x.numel() % self._push_two_shot.world == 0:
+            return self.push_two_shot(x)
         if x.numel() * x.element_size() <= self.one_shot_max_bytes:
             return self.one_shot(x)
         return self.two_shot(x)
@@ -137,6 +157,15 @@ class SymmetricAllReduce:
     def push(self, x: torch.Tensor) -> torch.Tensor:
         """The sum through ``kernels/push_sum`` (``x.numel() <= push_max_numel``)."""
         return self._push(x)
+
+    @property
+    def push_two_shot_max_numel(self) -> int:
+        return 0 if self._push_two_shot is None else self._push_two_shot.slot_numel
+
+    def push_two_shot(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum through ``kernels/push_sum``'s two-shot (``x.numel() <= push_two_shot_max_numel``,
+        a multiple of the group's size)."""
+        return self._push_two_shot(x)
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         """The sum with every peer's rows read whole (``x`` copied into the buffer), at any size

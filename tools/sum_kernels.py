@@ -4,11 +4,9 @@
 
 Each kernel timed inside a CUDA graph of 64 back-to-back sums, as a forward replays them:
 PyTorch's symmetric-memory one-shot (every peer's rows read whole) and two-shot (a slice
-reduced per rank, then gathered), pipeserve's push kernel (``kernels/push_sum.py``: the rows
-stored into every peer's buffer) and a candidate two-shot of it for more ranks
-(``_push_two_shot_kernel`` below, not yet timed on GPUs), each with one program per SM and with
-each of ``--grids``. Every
-kernel is first checked on four eager calls with other rows each call against the exact sum
+reduced per rank, then gathered), and pipeserve's push kernel and its two-shot
+(``kernels/push_sum.py``: the rows, or a slice of them per peer, stored into the peers'
+buffers), each with one program per SM and with each of ``--grids``. Every kernel is first checked on four eager calls with other rows each call against the exact sum
 (two ranks: bit for bit, the sum rounded once; more: within a bf16 ulp of the largest); the
 graph replays that are timed are not checked. Rank 0 prints a table of µs a sum; ``--out``
 writes it as JSON.
@@ -23,98 +21,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import triton
-import triton.language as tl
 
-from pipeserve.kernels.push_sum import exchange_flags
 from pipeserve.parallel.context import build_parallel_context
 from pipeserve.parallel.symmetric import SymmetricAllReduce, _PushState
 from tools.tp_steps import graph_us
 
 HIDDEN = 4096
-
-
-@triton.jit
-def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, share,
-                          RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """A candidate for more than two ranks: the push kernel's stores, as a two-shot. Rank r owns
-    slice r of the rows (``share`` elements). Each rank stores slice k of its rows into rank k's
-    scatter region (at its own rank's place), raises its first flag, awaits the peers', sums its
-    slice (rank order), stores the sum into its output and every peer's gather region, raises
-    its second flag, awaits the peers' and copies their sums out of its gather region. A rank
-    stores 2 (W - 1) / W of its rows, where the one-shot push stores W - 1 copies of them.
-    Memory per rank: two slots (calls alternate), each a scatter and a gather region of W
-    slices; flags [2, programs, W]."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    step = programs * BLOCK
-    count = tl.load(counts_ptr + pid) + 1
-    tl.debug_barrier()  # every warp has read the count before one thread stores the next
-    tl.store(counts_ptr + pid, count)
-    numel = WORLD * share
-    slot = (count % 2) * 2 * numel  # [scatter region | gather region]
-    offs = tl.arange(0, BLOCK)
-    for start in range(pid * BLOCK, share, step):
-        idx = start + offs
-        mask = idx < share
-        for k in tl.static_range(1, WORLD):
-            peer = (RANK + k) % WORLD
-            v = tl.load(x_ptr + peer * share + idx, mask=mask)
-            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot + RANK * share
-            tl.store(dst + idx, v, mask=mask)
-    exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
-    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot
-    for start in range(pid * BLOCK, share, step):
-        idx = start + offs
-        mask = idx < share
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):
-            if r == RANK:
-                acc += tl.load(x_ptr + RANK * share + idx, mask=mask, other=0.0).to(tl.float32)
-            else:
-                acc += tl.load(own + r * share + idx, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        red = acc.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + RANK * share + idx, red, mask=mask)
-        for k in tl.static_range(1, WORLD):
-            peer = (RANK + k) % WORLD
-            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot + numel + RANK * share
-            tl.store(dst + idx, red, mask=mask)
-    exchange_flags(flag_ptrs, programs * WORLD, pid, count, RANK, WORLD)  # the second flags
-    for start in range(pid * BLOCK, share, step):
-        idx = start + offs
-        mask = idx < share
-        for k in tl.static_range(1, WORLD):
-            peer = (RANK + k) % WORLD
-            v = tl.load(own + numel + peer * share + idx, mask=mask, cache_modifier=".cg")
-            tl.store(out_ptr + peer * share + idx, v, mask=mask)
-
-
-class PushTwoShot:
-    """``_push_two_shot_kernel``'s memory on this rank (the same layout as ``_PushState``'s,
-    with a gather region beside each slot's scatter region and a second flag per program)."""
-
-    def __init__(self, group, *, numel: int, device: torch.device, programs: int) -> None:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.slots = symm_mem.empty(2 * 2 * numel, dtype=torch.bfloat16, device=device)
-        self.flags = symm_mem.empty(2 * programs * self.world, dtype=torch.int64, device=device)
-        self.flags.zero_()
-        self.counts = torch.zeros(programs, dtype=torch.int64, device=device)
-        handles = [symm_mem.rendezvous(t, group) for t in (self.slots, self.flags)]
-        self.slot_ptrs, self.flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
-                                          for h in handles)
-        self.numel = numel
-        torch.cuda.synchronize(device)
-        dist.barrier(group=group)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        assert x.is_contiguous() and x.numel() % self.world == 0 and x.numel() <= self.numel
-        out = torch.empty_like(x)
-        _push_two_shot_kernel[(self.counts.numel(),)](x, out, self.slot_ptrs, self.flag_ptrs, self.counts,
-                                                      x.numel() // self.world, RANK=self.rank, WORLD=self.world,
-                                                      BLOCK=1024, num_warps=8)
-        return out
 
 
 def main(argv=None) -> dict:
@@ -137,7 +49,8 @@ def main(argv=None) -> dict:
         kernels[f"push, {grid} programs"] = _PushState(group, numel=max_numel, dtype=torch.bfloat16, device=device,
                                                         programs=grid)
     for grid in [sms] + [g for g in args.grids if g != sms]:
-        kernels[f"push two-shot, {grid} programs"] = PushTwoShot(group, numel=max_numel, device=device, programs=grid)
+        kernels[f"push two-shot, {grid} programs"] = _PushState(group, numel=max_numel, dtype=torch.bfloat16,
+                                                                device=device, programs=grid, two_shot=True)
     table = {}
     for rows in args.rows:
         x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(rows * 10 + rank)).to(torch.bfloat16)

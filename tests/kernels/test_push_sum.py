@@ -1,8 +1,9 @@
 """kernels/push_sum, one rank's side of a two- and a three-rank sum with the peers simulated in
 memory (their rows already pushed into this rank's slots, their flags already raised), over
 several calls: this rank's rows land in every peer's region for it, in the slot the call
-alternates to; its flags count the calls; the sum is the reference's, bit for bit. In the Triton
-interpreter (float32) and natively on one GPU (float32 and bfloat16: the simulated peers are
+alternates to; its flags count the calls; the sum is the reference's, bit for bit. The same for
+the two-shot (``push_two_shot``: slices scattered, each rank's slice summed and gathered), with
+sums of other sizes one after another. In the Triton interpreter (float32) and natively on one GPU (float32 and bfloat16: the simulated peers are
 tensors on the same device). The peers' side runs on two GPUs in
 tests/mp/test_symmetric_allreduce.py."""
 
@@ -69,3 +70,43 @@ def test_one_rank_sums_with_simulated_peers(world, rank, dtype):
         out = push_sum(parts[rank], torch.empty_like(parts[rank]), **memory)
         assert torch.equal(out, push_sum_reference(parts))
         _check_pushed(slots, flags, memory, parts[rank], call)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world,rank", [(2, 1), (4, 2)])
+def test_one_rank_of_a_two_shot_with_simulated_peers(world, rank, dtype):
+    """The peers' slices already in this rank's scatter region and their sums in its gather
+    region, both their flags raised; three calls of other sizes (the regions' places do not move
+    with the size)."""
+    from pipeserve.kernels.push_sum import push_two_shot
+
+    slot_numel, grid = 4 * 1300, 2
+    slots = [torch.zeros(2 * 2 * slot_numel, dtype=dtype, device=DEVICE) for _ in range(world)]
+    flags = [torch.zeros(2 * grid * world, dtype=torch.int64, device=DEVICE) for _ in range(world)]
+    memory = dict(rank=rank, world=world, slot_numel=slot_numel,
+                  slot_ptrs=torch.tensor([t.data_ptr() for t in slots], dtype=torch.int64, device=DEVICE),
+                  flag_ptrs=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE),
+                  counts=torch.zeros(grid, dtype=torch.int64, device=DEVICE))
+    g = torch.Generator().manual_seed(world + rank)
+    for call, share in ((1, 1300), (2, 700), (3, 1300)):  # 1,300: not a multiple of the block
+        numel = world * share
+        parts = [torch.randn(numel, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+        want = push_sum_reference(parts)
+        scatter = (call % 2) * 2 * slot_numel
+        gather = scatter + slot_numel
+        for peer in range(world):
+            if peer != rank:
+                mine, theirs = slice(rank * share, (rank + 1) * share), slice(peer * share, (peer + 1) * share)
+                slots[rank][scatter + peer * share:scatter + (peer + 1) * share] = parts[peer][mine]
+                slots[rank][gather + peer * share:gather + (peer + 1) * share] = want[theirs]
+                flags[rank].view(2, grid, world)[:, :, peer] = call
+        out = push_two_shot(parts[rank], torch.empty_like(parts[rank]), **memory)
+        assert torch.equal(out, want)
+        for peer in range(world):
+            if peer != rank:
+                got = slots[peer][scatter + rank * share:scatter + (rank + 1) * share]
+                assert torch.equal(got, parts[rank][peer * share:(peer + 1) * share])
+                got = slots[peer][gather + rank * share:gather + (rank + 1) * share]
+                assert torch.equal(got, want[rank * share:(rank + 1) * share])
+                assert (flags[peer].view(2, grid, world)[:, :, rank] == call).all()
+        assert memory["counts"].tolist() == [call] * grid

@@ -1,10 +1,11 @@
 """The TP sums through symmetric memory (``parallel/symmetric.py``) on two GPUs: pipeserve's
-push kernel, PyTorch's one-shot and two-shot, and the choice among them that the forward makes,
-eager and replayed inside a CUDA graph (twice, on other rows each time: the push kernel's slots
-alternate and its flags count replays), equal the exact sum rounded once (what NCCL gives for
-two ranks); the forward's choice pushes up to 8 MB; 32 pushes back to back in one graph, one
-rank held back on its device, stay exact; a tensor the buffer cannot hold goes through NCCL. On CPU, ``create`` declines and
-the sums stay with the process group."""
+push kernel and its two-shot, PyTorch's one-shot and two-shot, and the choice among them that
+the forward makes, eager and replayed inside a CUDA graph (twice, on other rows each time: the
+push kernels' slots alternate and their flags count replays), equal the exact sum rounded once
+(what NCCL gives for two ranks); the forward's choice pushes up to 4 MB and takes the push's
+two-shot above; 32 sums of either push kernel back to back in one graph, sizes changing, one
+rank held back on its device, stay exact; a tensor the buffer cannot hold goes through NCCL. On
+CPU, ``create`` declines and the sums stay with the process group."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pipeserve.parallel.context import ParallelContext, tp_all_reduce
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 
 HIDDEN = 4096
-ROWS = (1, 128, 1024, 1025, 4096)  # 8 KB to 32 MB of bf16: both sides of the push limit (8 MB)
+ROWS = (1, 128, 512, 513, 1025, 2048, 4096)  # 8 KB to 32 MB of bf16: both sides of the push limit (4 MB)
 
 
 def _inputs(rows: int, rank: int, device) -> torch.Tensor:
@@ -39,12 +40,13 @@ def _rank(rank: int, port: int, results) -> None:
         assert reduce is not None
         ctx = ParallelContext(rank=rank, world_size=2, tp_size=2, pp_size=1, tp_group=group, tp_reduce=reduce)
         out = {}
-        assert reduce.push_max_numel == 1024 * HIDDEN
-        pushed = []  # sizes the forward's choice sent through the push kernel
-        push = reduce.push
+        assert reduce.push_max_numel == 512 * HIDDEN and reduce.push_two_shot_max_numel == 2048 * HIDDEN
+        pushed, two_shot_pushed = [], []  # sizes the forward's choice sent through either push kernel
+        push, push_two_shot = reduce.push, reduce.push_two_shot
         reduce.push = lambda t: pushed.append(t.numel() // HIDDEN) or push(t)
-        ways = {"auto": lambda t: tp_all_reduce(t, ctx), "push": push, "one-shot": reduce.one_shot,
-                "two-shot": reduce.two_shot}
+        reduce.push_two_shot = lambda t: two_shot_pushed.append(t.numel() // HIDDEN) or push_two_shot(t)
+        ways = {"auto": lambda t: tp_all_reduce(t, ctx), "push": push, "push two-shot": push_two_shot,
+                "one-shot": reduce.one_shot, "two-shot": reduce.two_shot}
         for rows in ROWS:
             calls = []  # three calls' rows, each rank's other than the last call's
             for k in range(3):
@@ -72,19 +74,20 @@ def _rank(rank: int, port: int, results) -> None:
                     replayed.append(torch.equal(summed, want))
                 out[(rows, how)] = (all(eager), all(replayed), rows * HIDDEN <= reduce.buffer.numel())
                 graph.reset()
-        out["auto pushed"] = sorted(set(pushed))
-        out["burst"] = _burst(push, rank, device)
+        out["auto pushed"] = sorted(set(pushed)), sorted(set(two_shot_pushed))
+        out["burst"] = _burst(push, (1, 64, 512, 7), rank, device)
+        out["burst two-shot"] = _burst(push_two_shot, (1024, 600, 2048, 8), rank, device)
         results.put((rank, out))
     finally:
         dist.barrier()
         dist.destroy_process_group()
 
 
-def _burst(push, rank: int, device) -> bool:
+def _burst(push, rows: tuple, rank: int, device) -> bool:
     """32 pushes of other rows and sizes back to back in one graph, with no host sync between
     them (the slots alternate under load), replayed with rank 1 held back on its device first
     (rank 0 runs ahead into the flags): every sum exact."""
-    sizes = [(1, 64, 512, 7)[k % 4] for k in range(32)]
+    sizes = [rows[k % 4] for k in range(32)]
     inputs = [[_inputs(rows, r, device) * (k + 1) for r in (0, 1)] for k, rows in enumerate(sizes)]
     wants = [(a.float() + b.float()).to(torch.bfloat16) for a, b in inputs]
     statics = [parts[rank].clone() for parts in inputs]
@@ -125,13 +128,15 @@ def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
         p.join(timeout=60)
         assert p.exitcode == 0
     for rank in (0, 1):
-        assert got[rank].pop("burst"), rank
-        assert got[rank].pop("auto pushed") == [1, 128, 1024], rank  # up to 8 MB, no more
+        assert got[rank].pop("burst") and got[rank].pop("burst two-shot"), rank
+        # up to 4 MB the push, above it the push's two-shot up to the buffer's 16 MB
+        assert got[rank].pop("auto pushed") == ([1, 128, 512], [513, 1025, 2048]), rank
         for (rows, how), (eager, replayed, symmetric_path) in got[rank].items():
             assert eager and replayed, (rank, rows, how)
-        assert sum(how == "push" for _, how in got[rank]) == 3  # 1, 128 and 1024 rows
+        assert sum(how == "push" for _, how in got[rank]) == 3  # 1, 128 and 512 rows
+        assert sum(how == "push two-shot" for _, how in got[rank]) == 6  # every size the buffer holds
         # 4096 rows exceed the 2048-row buffer: those went through NCCL
-        assert [fits for (rows, how), (_, _, fits) in got[rank].items() if how == "auto"] == [True] * 4 + [False]
+        assert [fits for (rows, how), (_, _, fits) in got[rank].items() if how == "auto"] == [True] * 6 + [False]
 
 
 def test_cpu_keeps_the_process_group_sums():
