@@ -19,7 +19,7 @@
 #   ranks     2-4 GPUs per-step timelines of every rank at tp=2 (tp=4 on 4 GPUs): which rank starts late, device gaps
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind;
 #                      a layer's sums in line against overlapped with the other half's GEMMs (tools/tp_overlap);
-#                      the sum kernels per size: PyTorch's one-shot and two-shot against pipeserve's push (tools/sum_kernels)
+#                      the sum kernels per size: PyTorch's one-shot and two-shot against pipeserve's push and its two-shot (tools/sum_kernels)
 #   structured 1 GPU   plain, penalties, a quarter under a JSON schema; xgrammar against outlines-core per token
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
