@@ -110,7 +110,7 @@ class SymmetricAllReduce:
         self.buffer = symm_mem.empty(max_numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, group)
         self._ops = torch.ops.symm_mem
-        world = dist.get_world_size(group)
+        self.world = world = dist.get_world_size(group)
         self.one_shot_max_bytes = one_shot_max_bytes(world)
         push_numel = min(max_numel, push_max_bytes(world) // self.buffer.element_size())
         self._push = _PushState(group, numel=push_numel, dtype=dtype, device=device) if push_numel else None
@@ -143,8 +143,9 @@ class SymmetricAllReduce:
         """The sum of ``x`` over the group, a new tensor (``fits(x)`` must hold)."""
         if self._push is not None and x.numel() <= self._push.slot_numel:
             return self.push(x)
-        if self._push_two_shot is not None and x.numel() <= self._push_two_shot.slot_numel \
-                and x.numel() % self._push_two_shot.world == 0:
+        if x.numel() % self.world:  # the two-shots split the rows' elements evenly; the one-shot takes any
+            return self.one_shot(x)
+        if self._push_two_shot is not None and x.numel() <= self._push_two_shot.slot_numel:
             return self.push_two_shot(x)
         if x.numel() * x.element_size() <= self.one_shot_max_bytes:
             return self.one_shot(x)

@@ -395,7 +395,9 @@ class WorkerChannel:
     has been silent for ``liveness_timeout_s``; a worker blocked in a collective can use it to
     exit (e.g. ``os._exit``). ``engine_alive()`` reports the same condition to a polling loop.
     ``busy_s`` (optional; a stage's TP rank 0) is called from the heartbeat thread for the
-    stage's busy seconds so far, which every heartbeat then carries.
+    stage's busy seconds so far, which every heartbeat then carries. ``parent_pid``: the process
+    that started this one, as it was when this process began (default: the parent now); once
+    this process's parent is another, the handshake gives up (``LauncherGone``).
     """
 
     def __init__(
@@ -412,6 +414,7 @@ class WorkerChannel:
         on_engine_lost: Callable[[], None] | None = None,
         num_kv_blocks: int = 0,
         busy_s: Callable[[], float] | None = None,
+        parent_pid: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
@@ -425,7 +428,8 @@ class WorkerChannel:
         self.session: str | None = None
         self._on_engine_lost = on_engine_lost
         self._busy_s = busy_s
-        self._parent = os.getppid()  # torchrun or the engine; another one later: it has exited
+        # torchrun or the engine; another parent later: it has exited
+        self._parent = os.getppid() if parent_pid is None else parent_pid
         self._ctx = zmq.Context()
         self._sub = self._client(zmq.SUB, plan_endpoint, subscribe=_PLAN_TOPIC)
         self._push = self._client(zmq.PUSH, result_endpoint, send_timeout_s=config.send_timeout_s)

@@ -624,6 +624,7 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
     until the engine shuts down. With a recorded timeline, every rank's ends up in rank 0's
     ``PIPESERVE_STAGE_STATS_DIR``. Exits the process (code 1) on an error, after telling the
     engine."""
+    parent_pid = os.getppid()  # before loading: a launcher killed meanwhile leaves a new parent
     rank, local_rank, world = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
     if rank != 0:
         progress.quiet()  # one set of progress lines per engine: global rank 0's
@@ -655,6 +656,7 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
             num_kv_blocks=worker.num_kv_blocks,
             # Each stage's TP rank 0 reports the stage's busy time on its heartbeats.
             busy_s=(lambda: worker.busy.busy_s) if ctx.tp_rank == 0 else None,
+            parent_pid=parent_pid,
         )
         channel.handshake()
         worker.serve(channel)

@@ -256,44 +256,56 @@ def _raised(fn) -> BaseException | None:
 
 
 # A worker waiting for an engine that never comes (nothing listens at port 9), and the process
-# that starts it and prints its pid; the worker writes why it left to the file named last.
+# that starts it and prints its pid; the worker notes its parent first, "loads" until the file
+# named second exists, then waits for the engine and writes why it left to the file named last.
 _WAITING_WORKER = """
-import sys
+import os, sys, time
 from zmq.utils import z85
 from pipeserve.parallel.auth import RunKey
 from pipeserve.parallel.transport import LauncherGone, TransportConfig, WorkerChannel
+parent = os.getppid()
+print("loading", flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
 channel = WorkerChannel(TransportConfig(handshake_timeout_s=60.0), rank=0, world_size=1, stage=0, tp_rank=0,
                         plan_endpoint="tcp://127.0.0.1:9", result_endpoint="tcp://127.0.0.1:9",
-                        key=RunKey.from_secret(z85.encode(bytes(range(32)))))
+                        key=RunKey.from_secret(z85.encode(bytes(range(32)))), parent_pid=parent)
 print("waiting", flush=True)
 try:
     channel.handshake()
 except LauncherGone as e:
-    open(sys.argv[1], "w").write(str(e))
+    with open(sys.argv[2] + ".tmp", "w") as f:
+        f.write(str(e))
+    os.replace(sys.argv[2] + ".tmp", sys.argv[2])  # whole, for the test that polls for it
     sys.exit(7)
 finally:
     channel.close()
 """
 _LAUNCHER = """
 import subprocess, sys
-worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1], *sys.argv[2:]])
 print(worker.pid, flush=True)
 worker.wait()
 """
 
 
-def test_a_worker_whose_launcher_dies_leaves_the_handshake(tmp_path):
+@pytest.mark.parametrize("killed_while", ["waiting", "loading"])
+def test_a_worker_whose_launcher_dies_leaves_the_handshake(tmp_path, killed_while):
     """torchrun killed while its workers wait for the engine's Ready (the engine stopped during
-    start-up): they leave within a second, not after the handshake timeout (60 s here), so no
-    orphan holds a Slurm job."""
-    marker = tmp_path / "left"
-    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WAITING_WORKER, str(marker)],
+    start-up), or while they still load: they leave within a second of the handshake's start,
+    not after its timeout (60 s here), so no orphan holds a Slurm job."""
+    loaded, marker = tmp_path / "loaded", tmp_path / "left"
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WAITING_WORKER, str(loaded), str(marker)],
                                 stdout=subprocess.PIPE, text=True)
     try:
         worker_pid = int(launcher.stdout.readline())
-        assert launcher.stdout.readline().strip() == "waiting"  # the worker is in its handshake
+        assert launcher.stdout.readline().strip() == "loading"
+        if killed_while == "waiting":
+            loaded.touch()
+            assert launcher.stdout.readline().strip() == "waiting"  # the worker is in its handshake
         launcher.kill()
         launcher.wait(timeout=5)
+        loaded.touch()
         deadline = time.monotonic() + 10.0
         while not marker.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
