@@ -63,13 +63,20 @@ def exchange_flags(flag_ptrs, base, pid, count, RANK: tl.constexpr, WORLD: tl.co
 
 
 @triton.jit
+def next_count(counts_ptr, pid):
+    """This program's sums so far, this one included (the same on every rank), stored back."""
+    count = tl.load(counts_ptr + pid) + 1
+    tl.debug_barrier()  # every warp has read the count before one thread stores the next
+    tl.store(counts_ptr + pid, count)
+    return count
+
+
+@triton.jit
 def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, slot_numel,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK
-    count = tl.load(counts_ptr + pid) + 1  # this program's sums so far, the same on every rank
-    tl.debug_barrier()  # every warp has read the count before one thread stores the next
-    tl.store(counts_ptr + pid, count)
+    count = next_count(counts_ptr, pid)
     slot = (count % 2) * WORLD * slot_numel
     offs = tl.arange(0, BLOCK)
     for start in range(pid * BLOCK, numel, step):
@@ -114,9 +121,7 @@ def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, shar
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     step = programs * BLOCK
-    count = tl.load(counts_ptr + pid) + 1  # this program's sums so far, the same on every rank
-    tl.debug_barrier()  # every warp has read the count before one thread stores the next
-    tl.store(counts_ptr + pid, count)
+    count = next_count(counts_ptr, pid)
     slot = (count % 2) * 2 * slot_numel  # [scatter region | gather region]
     dtype = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)

@@ -11,7 +11,7 @@ Both run as a single kernel with a barrier among the ranks on either side, so th
 inside the CUDA graphs as NCCL's do. Two ranks sum with pipeserve's own kernels instead
 (``kernels/push_sum.py``), which store their rows into the peer's buffer rather than read the
 peer's: up to 4 MB the push (``push_max_bytes``; 8.4 µs a 1 MB sum against PyTorch's 14.7),
-above it the push's two-shot (``push_two_shot_max_bytes``; 65.2 µs a 16 MB sum against 74.5).
+above it the push's two-shot (``uses_push_two_shot``; 65.2 µs a 16 MB sum against 74.5).
 
 Only point-to-point NVLink access is used, never NVLink multicast (``multimem``):
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` is set before the first allocation unless the caller set it.
@@ -51,13 +51,13 @@ def push_max_bytes(world_size: int) -> int:
     return 4 << 20 if world_size == 2 else 0
 
 
-def push_two_shot_max_bytes(world_size: int) -> int:
-    """Sums above ``push_max_bytes`` and up to this size go through ``kernels/push_sum``'s
-    two-shot (0: never). Two ranks (the same tool and cards): 35.1 µs at 8 MB against 37.4 for
-    the push and 40.6 for PyTorch's two-shot, 50.3 at 12 MB against 55.3 / 56.5, 65.2 at 16 MB
-    against 78.7 / 74.5; the forward's largest sum (a 2,048-token step of the 8B shape) is 16 MB,
-    and its buffer bounds it. Four ranks: not yet timed; PyTorch's kernels."""
-    return 1 << 40 if world_size == 2 else 0
+def uses_push_two_shot(world_size: int) -> bool:
+    """Whether sums above ``push_max_bytes`` (up to the buffer) go through ``kernels/push_sum``'s
+    two-shot. Two ranks (the same tool and cards): 35.1 µs at 8 MB against 37.4 for the push and
+    40.6 for PyTorch's two-shot, 50.3 at 12 MB against 55.3 / 56.5, 65.2 at 16 MB against
+    78.7 / 74.5 (the forward's largest sum, a 2,048-token step of the 8B shape). Four ranks: not
+    yet timed; PyTorch's kernels."""
+    return world_size == 2
 
 
 class _PushState:
@@ -114,10 +114,9 @@ class SymmetricAllReduce:
         self.one_shot_max_bytes = one_shot_max_bytes(world)
         push_numel = min(max_numel, push_max_bytes(world) // self.buffer.element_size())
         self._push = _PushState(group, numel=push_numel, dtype=dtype, device=device) if push_numel else None
-        two_shot_numel = min(max_numel, push_two_shot_max_bytes(world) // self.buffer.element_size())
         self._push_two_shot = None
-        if two_shot_numel > push_numel:
-            self._push_two_shot = _PushState(group, numel=two_shot_numel, dtype=dtype, device=device, two_shot=True)
+        if uses_push_two_shot(world) and max_numel > push_numel:
+            self._push_two_shot = _PushState(group, numel=max_numel, dtype=dtype, device=device, two_shot=True)
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, *, max_numel: int, dtype: torch.dtype,

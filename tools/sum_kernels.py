@@ -6,9 +6,10 @@ Each kernel timed inside a CUDA graph of 64 back-to-back sums, as a forward repl
 PyTorch's symmetric-memory one-shot (every peer's rows read whole) and two-shot (a slice
 reduced per rank, then gathered), and pipeserve's push kernel and its two-shot
 (``kernels/push_sum.py``: the rows, or a slice of them per peer, stored into the peers'
-buffers), each with one program per SM and with each of ``--grids``. Every kernel is first checked on four eager calls with other rows each call against the exact sum
-(two ranks: bit for bit, the sum rounded once; more: within a bf16 ulp of the largest); the
-graph replays that are timed are not checked. Rank 0 prints a table of µs a sum; ``--out``
+buffers), each with one program per SM and with each of ``--grids``. Every kernel is first
+checked on four eager calls with other rows each call against the exact sum (two ranks: bit for
+bit, the sum rounded once; more: within a bf16 ulp of the largest); the graph replays that are
+timed are not checked. Rank 0 prints a table of µs a sum; ``--out``
 writes it as JSON.
 """
 

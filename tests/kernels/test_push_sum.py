@@ -20,11 +20,13 @@ pytestmark = [runs_triton, interpreter_array_warning]
 DTYPES = [torch.float32, torch.bfloat16] if NATIVE else [torch.float32]
 
 
-def _memory(world: int, rank: int, slot_numel: int, grid: int, dtype: torch.dtype) -> tuple[list, list, dict]:
-    """Every rank's slots and flags (this rank's and the simulated peers'), and the keyword
-    arguments of this rank's calls."""
-    slots = [torch.zeros(2 * world * slot_numel, dtype=dtype, device=DEVICE) for _ in range(world)]
-    flags = [torch.zeros(grid * world, dtype=torch.int64, device=DEVICE) for _ in range(world)]
+def _memory(world: int, rank: int, slot_numel: int, grid: int, dtype: torch.dtype,
+            two_shot: bool = False) -> tuple[list, list, dict]:
+    """Every rank's slots and flags (this rank's and the simulated peers'; laid out as
+    ``parallel/symmetric._PushState``'s), and the keyword arguments of this rank's calls."""
+    regions, rounds = (2, 2) if two_shot else (world, 1)
+    slots = [torch.zeros(2 * regions * slot_numel, dtype=dtype, device=DEVICE) for _ in range(world)]
+    flags = [torch.zeros(rounds * grid * world, dtype=torch.int64, device=DEVICE) for _ in range(world)]
     memory = dict(rank=rank, world=world, slot_numel=slot_numel,
                   slot_ptrs=torch.tensor([t.data_ptr() for t in slots], dtype=torch.int64, device=DEVICE),
                   flag_ptrs=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE),
@@ -81,12 +83,7 @@ def test_one_rank_of_a_two_shot_with_simulated_peers(world, rank, dtype):
     from pipeserve.kernels.push_sum import push_two_shot
 
     slot_numel, grid = 4 * 1300, 2
-    slots = [torch.zeros(2 * 2 * slot_numel, dtype=dtype, device=DEVICE) for _ in range(world)]
-    flags = [torch.zeros(2 * grid * world, dtype=torch.int64, device=DEVICE) for _ in range(world)]
-    memory = dict(rank=rank, world=world, slot_numel=slot_numel,
-                  slot_ptrs=torch.tensor([t.data_ptr() for t in slots], dtype=torch.int64, device=DEVICE),
-                  flag_ptrs=torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64, device=DEVICE),
-                  counts=torch.zeros(grid, dtype=torch.int64, device=DEVICE))
+    slots, flags, memory = _memory(world, rank, slot_numel, grid, dtype, two_shot=True)
     g = torch.Generator().manual_seed(world + rank)
     for call, share in ((1, 1300), (2, 700), (3, 1300)):  # 1,300: not a multiple of the block
         numel = world * share
