@@ -119,8 +119,8 @@ class Profiler:
         )
 
     def time(self, seqs: list[tuple[int, int]], repeats: int) -> float:
-        """Seconds of one micro-batch (forward, logits and greedy sampling): the fastest of
-        ``repeats`` timed runs, which shrugs off other load on a shared machine.
+        """Seconds of one micro-batch (forward, then greedy sampling as the worker samples): the
+        fastest of ``repeats`` timed runs, which shrugs off other load on a shared machine.
 
         On CUDA this is the *device's* time, between events, with the whole step queued behind
         a device sleep first: serving replays CUDA graphs, whose launch costs the host well
@@ -142,7 +142,7 @@ class Profiler:
         self.sync()
 
     def _run(self, step: StepInputs) -> torch.Tensor:
-        return self.runner.forward_logits(step).argmax(dim=-1)  # greedy sampling, left on the device
+        return self.runner.forward_greedy(step)  # greedy sampling, left on the device
 
     def _wall_time(self, step: StepInputs) -> float:
         t0 = time.perf_counter()

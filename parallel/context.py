@@ -195,6 +195,22 @@ def tp_gather_list(x: torch.Tensor, parallel: ParallelContext) -> list[torch.Ten
     return parts
 
 
+def tp_argmax(values: torch.Tensor, token_ids: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
+    """[N] int64: per row, the ``token_ids`` of the rank whose ``values`` is largest, the lowest
+    TP rank where several tie (and a NaN counting as largest, as ``torch.argmax`` has it).
+
+    Each rank passes its vocab shard's row maxima (``values`` [N]) and where they lie
+    (``token_ids`` [N], global ids, the first maximum in its shard). With shards in rank order
+    that is ``torch.argmax`` over the concatenated rows, exactly: the first maximum of the
+    whole row. The ranks exchange 16 bytes a row (both as float64, exact for ids below 2**53)."""
+    if parallel.tp_size == 1:
+        return token_ids
+    pairs = torch.stack([values.double(), token_ids.double()], dim=-1)  # [N, 2]
+    candidates = torch.stack(tp_gather_list(pairs, parallel))  # [tp, N, 2]
+    best = candidates[..., 0].argmax(dim=0, keepdim=True)  # [1, N]: the first rank of the maximum
+    return candidates[..., 1].gather(0, best).squeeze(0).long()
+
+
 def tp_all_gather(x: torch.Tensor, parallel: ParallelContext, sizes: Sequence[int]) -> torch.Tensor:
     """Concatenate every TP rank's ``x`` along the last dim, in TP-rank order.
 

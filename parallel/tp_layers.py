@@ -547,12 +547,17 @@ class ParallelLMHead(_Numerics, nn.Linear):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [N, H] -> [N, V] float32
-        if self.numerics is not None:  # logits never rounded to the model's dtype
-            local = self.numerics.matmul(hidden, self.weight, torch.float32)  # [N, V_local]
-            return tp_all_gather(local, self.parallel, self.shard_sizes)
-        local = F.linear(hidden, self.weight)  # [N, V_local]
         # Gathered in the model's dtype (half the bytes of float32), cast after: same values.
-        return tp_all_gather(local, self.parallel, self.shard_sizes).float()
+        return tp_all_gather(self.shard_logits(hidden), self.parallel, self.shard_sizes).float()
+
+    def shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's columns [vocab_start, vocab_stop) of ``forward``'s logits, no collective:
+        [N, V_local] in the model's dtype (float32 under deterministic numerics, whose logits
+        are never rounded to the model's dtype); ``forward`` is their gather, cast to float32."""
+        # hidden: [N, H] -> [N, V_local]
+        if self.numerics is not None:
+            return self.numerics.matmul(hidden, self.weight, torch.float32)
+        return F.linear(hidden, self.weight)
 
     def weight_loader(self, param: torch.Tensor, loaded: Any, part: Any = None) -> None:
         check_shape(loaded, (self.full_vocab_size, self.in_features))

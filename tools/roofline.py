@@ -7,10 +7,10 @@ and a decode-only step at batch 64 against the weight-read floor.
   ``ModelShape.bytes_moved``) / the measured device-to-device copy bandwidth (bytes read and
   written, 2 GiB buffers). Target: the step within 1.25× of it.
 
-Each step goes through the engine's ModelRunner (forward and logits, then an argmax for greedy
-sampling) as serving runs it, CUDA graphs included, and is timed on the device
-(``Profiler.time``: between CUDA events, the step queued whole behind a device sleep); the
-fastest of ``--repeats`` timed runs counts.
+Each step goes through the engine's ModelRunner (forward, then the argmax of greedy sampling)
+as serving runs it, CUDA graphs included, and is timed on the device (``Profiler.time``:
+between CUDA events, the step queued whole behind a device sleep); the fastest of
+``--repeats`` timed runs counts.
 
 ``--profile`` then runs each step again under torch.profiler and splits its GPU kernel time
 into GEMM / attention / norm / rope / silu·mul / KV write / other (by kernel name), against the

@@ -5,10 +5,10 @@
 
 Each rank loads its shard of a random-weights model (``--shape``), captures the CUDA graphs as
 a worker does (every rank the same buckets, the all-reduces inside) and times each case through
-the engine's ModelRunner (forward, logits, greedy argmax): ``--repeats`` runs back to back
-between CUDA events after a barrier, so the time includes what the host adds when it cannot
-keep ahead of the device (eager steps past the graphed token counts). Cases: the decode
-batches and mixed steps of the scaling workloads (``benchmarks/throughput.py``). Also times a
+the engine's ModelRunner (forward, then the greedy argmax over the vocab shards): ``--repeats``
+runs back to back between CUDA events after a barrier, so the time includes what the host adds
+when it cannot keep ahead of the device (eager steps past the graphed token counts). Cases: the
+decode batches and mixed steps of the scaling workloads (``benchmarks/throughput.py``). Also times a
 bare all-reduce of each case's hidden states (one per layer's attention and MLP output), eager
 and as 64 back to back inside a CUDA graph (as a forward's sums replay): NCCL's, and the
 symmetric-memory one-shot and two-shot kernels (µs a sum).

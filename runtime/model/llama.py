@@ -45,7 +45,7 @@ from torch import nn
 from pipeserve.kernels import KernelOps, torch_ops
 from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.kernels.reference import gelu_tanh_mul_reference
-from pipeserve.parallel.context import ParallelContext, tp_all_reduce
+from pipeserve.parallel.context import ParallelContext, tp_all_reduce, tp_argmax
 from pipeserve.parallel.tp_layers import (
     FP8_DTYPE,
     InvariantNumerics,
@@ -690,7 +690,23 @@ class LlamaForCausalLM(nn.Module):
         on every TP rank (last stage only; with TP > 1 a collective that every TP rank joins),
         soft-capped where the model caps them (Gemma 2)."""
         assert self.lm_head is not None, "compute_logits needs the last stage"
-        logits = self.lm_head(hidden)
+        return self._soft_cap(self.lm_head(hidden))
+
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N] int64: ``compute_logits(hidden).argmax(-1)``, exactly, on every TP rank, without
+        gathering the logits: each rank takes the first maximum of its vocab shard and the ranks
+        exchange one (value, token) pair a row (``tp_argmax``). A collective that every TP rank
+        joins, as ``compute_logits``'s."""
+        # hidden: [N, H]
+        assert self.lm_head is not None, "greedy_token_ids needs the last stage"
+        local = self.lm_head.shard_logits(hidden)  # [N, V_local]
+        if self.config.final_logit_softcapping is not None:  # the values compute_logits compares
+            local = self._soft_cap(local.float())
+        index = local.argmax(dim=-1, keepdim=True)  # [N, 1]: argmax on the model's dtype is exact
+        values = local.gather(-1, index).squeeze(-1)  # [N]
+        return tp_argmax(values, index.squeeze(-1) + self.lm_head.vocab_start, self.parallel)
+
+    def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

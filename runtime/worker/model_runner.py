@@ -52,3 +52,12 @@ class ModelRunner:
         inputs = self.prepare(step)
         hidden = self.forward(inputs)
         return self.model.compute_logits(hidden[inputs.sample_indices])
+
+    @torch.inference_mode()
+    def forward_greedy(self, step: StepInputs) -> torch.Tensor:
+        """[N] int64: the argmax of ``forward_logits``, taken as a worker takes it for a step whose
+        rows all take their argmax (``LlamaForCausalLM.greedy_token_ids``: no full-vocabulary
+        logits gathered)."""
+        inputs = self.prepare(step)
+        hidden = self.forward(inputs)
+        return self.model.greedy_token_ids(hidden[inputs.sample_indices])

@@ -122,6 +122,26 @@ class Sampler:
             logprobs = logprob_rows(*compute_logprobs(logits, token_ids, num_top))
         return SamplerOutput(token_ids=token_ids.cpu(), logprobs=logprobs)
 
+    def chosen(self, token_ids: torch.Tensor, *, on_sampled: Callable[[torch.Tensor], None] | None = None,
+               to_host: bool = True) -> SamplerOutput:
+        """The output of rows whose [N] ``token_ids`` were taken without this sampler (rows that
+        ``takes_argmax``: what ``__call__`` would give them); ``on_sampled`` and ``to_host`` as
+        for ``__call__``."""
+        if on_sampled is not None:
+            on_sampled(token_ids)
+        return SamplerOutput(token_ids=token_ids.cpu() if to_host else token_ids, logprobs=None)
+
+
+def takes_argmax(params: Sequence[SamplingParams], num_output_tokens: Sequence[int]) -> bool:
+    """Whether the sampler would give every row the argmax of its raw logits and nothing else:
+    some rows, each greedy, without logprobs, structured output or anything that processes its
+    logits (penalties, logit_bias, allowed_token_ids, bad_words), and past its min_tokens. Such
+    a step needs no full-vocabulary logits (``LlamaForCausalLM.greedy_token_ids``; ``chosen``)."""
+    assert len(params) == len(num_output_tokens)
+    return bool(params) and all(
+        p.is_greedy and p.logprobs is None and p.structured_outputs is None and not p.processes_logits
+        and done >= p.min_tokens for p, done in zip(params, num_output_tokens))
+
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """A generator for one seeded request, on the device that holds the logits."""

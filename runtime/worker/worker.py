@@ -55,7 +55,7 @@ from pipeserve.runtime.worker.prompt_logprobs import (
     prompt_logprobs_of,
     prompt_rows,
 )
-from pipeserve.runtime.worker.sampler import Sampler, make_generator
+from pipeserve.runtime.worker.sampler import Sampler, make_generator, takes_argmax
 from pipeserve.scheduler import SamplingParams
 
 EXIT_ENGINE_LOST = 3
@@ -267,16 +267,24 @@ class Worker:
             if self.feedback_receiver is not None:
                 self.feedback_receiver.post_due()  # sampled ids due, from the driver (feedback.py)
             return None
-        logits = self.model.compute_logits(hidden[inputs.sample_indices])
-        # Before sampling, so every TP rank joins the LM head's collectives in the same order
-        # (the driver's feedback sends come after them on every rank).
+        # The LM head's collectives come before sampling, so every TP rank joins them in the same
+        # order (the driver's feedback sends come after them on every rank). A step whose rows
+        # all take their argmax (decided from the plan alone, the same on every rank) gathers
+        # one (value, token) pair a row instead of the full-vocabulary logits.
+        sampled = [s for s in plan.seqs if s.needs_sample]
+        logits = token_ids = None
+        if takes_argmax([s.sampling for s in sampled], [s.num_output_tokens for s in sampled]):
+            token_ids = self.model.greedy_token_ids(hidden[inputs.sample_indices])  # [N]
+        else:
+            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
         prompt = self._prompt_logprobs(plan, hidden)
         if not self.ctx.is_driver:
             self.busy.end(plan.step_id)
             if receiver is not None:  # pp=1, tp > 1: this rank is a first-stage one too
                 receiver.post_due()
             return None
-        return self._sample(plan, logits, prompt, time.perf_counter() - t0)  # (ends the busy span)
+        return self._sample(plan, logits, prompt, time.perf_counter() - t0,  # (ends the busy span)
+                            token_ids=token_ids)
 
     def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor) -> tuple[PromptRows, tuple] | None:
         """On the last stage, the LM head over the plan's prompt rows (none: nothing to do);
@@ -317,11 +325,12 @@ class Worker:
             self._grammars = GrammarState(compiler, self.device)
         return self._grammars
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor, prompt: tuple[PromptRows, tuple] | None,
-                seconds: float) -> StepResult | PendingResult:
-        """Samples the plan's sequences; ``prompt``: its prompt rows' logprobs (``_prompt_logprobs``),
-        brought to the host after the sampled ids are on their way (a step with prompt rows waits
-        for the device)."""
+    def _sample(self, plan: StepPlan, logits: torch.Tensor | None, prompt: tuple[PromptRows, tuple] | None,
+                seconds: float, *, token_ids: torch.Tensor | None = None) -> StepResult | PendingResult:
+        """Samples the plan's sequences from their [N, V] ``logits``, or takes their [N]
+        ``token_ids`` (rows that all ``takes_argmax``, with no logits); ``prompt``: its prompt
+        rows' logprobs (``_prompt_logprobs``), brought to the host after the sampled ids are on
+        their way (a step with prompt rows waits for the device)."""
         self._history.apply_plan(plan)
         if self._grammars is not None:
             self._grammars.apply_plan(plan)
@@ -349,9 +358,12 @@ class Worker:
         # With token feedback nothing waits for this result on the critical path: leave the ids
         # on the device and go on to the next plan; serve() sends the result once they are here.
         defer = sender is not None and self.device.type == "cuda"
-        out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
-                           eos_token_ids=self.eos_token_ids, history=history, token_bitmask=bitmask,
-                           on_sampled=on_sampled, to_host=not defer)
+        if token_ids is not None:  # the rows' argmax, taken over the TP ranks' vocab shards
+            out = self.sampler.chosen(token_ids, on_sampled=on_sampled, to_host=not defer)
+        else:
+            out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
+                               eos_token_ids=self.eos_token_ids, history=history, token_bitmask=bitmask,
+                               on_sampled=on_sampled, to_host=not defer)
         prompt_logprobs = [] if prompt is None else prompt_logprobs_of(*prompt)
         if out.token_ids.device.type != "cpu":
             return PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds,

@@ -31,9 +31,9 @@ from helpers_model import (
     write_tiny_checkpoint,
 )
 
-from pipeserve.parallel.context import ParallelContext, build_parallel_context
+from pipeserve.parallel.context import ParallelContext, build_parallel_context, tp_argmax
 from pipeserve.parallel.stage_plan import plan_stages
-from pipeserve.parallel.tp_layers import shard_heads, split_sizes
+from pipeserve.parallel.tp_layers import shard_heads, split_evenly, split_sizes
 from pipeserve.runtime.model import weights as weights_module
 from pipeserve.runtime.worker.kv_cache import allocate_kv_cache
 from pipeserve.runtime.model.model_config import ModelConfig
@@ -94,9 +94,10 @@ def _plan_steps() -> list[SimpleNamespace]:
 
 @torch.no_grad()
 def run_steps(
-    model, parallel: ParallelContext, kv_caches, plan, device="cpu"
+    model, parallel: ParallelContext, kv_caches, plan, device="cpu", greedy: list | None = None
 ) -> list[torch.Tensor]:
-    """Every micro-batch through this rank's stage; the last stage returns [T, V] logits each."""
+    """Every micro-batch through this rank's stage; the last stage returns [T, V] logits each
+    (and appends each one's ``greedy_token_ids`` [T] to ``greedy`` where given)."""
     logits = []
     for step in plan:
         meta = make_metadata(step.seqs, step.tables, BLOCK_SIZE, device)
@@ -115,6 +116,8 @@ def run_steps(
         )
         if parallel.is_last_stage:
             logits.append(model.compute_logits(out))
+            if greedy is not None:
+                greedy.append(model.greedy_token_ids(out))
         else:
             dist.send(out, dst=parallel.next_rank)
     return logits
@@ -177,9 +180,11 @@ def _rank_main(
             model = _load_smollm2(parallel)
         else:
             model = _load_counting_reads(folder, parallel, pp, num_read, device)
-        logits = run_steps(model, parallel, _kv_caches(model, device), _plan_steps(), device)
+        greedy = []
+        logits = run_steps(model, parallel, _kv_caches(model, device), _plan_steps(), device, greedy)
         result = {
             "logits": [t.cpu() for t in logits],
+            "greedy": [t.cpu() for t in greedy],
             "numels": {n: p.numel() for n, p in model.named_parameters()},
             "num_read": num_read[0],
             "num_local_kv_heads": model.num_local_kv_heads,
@@ -290,10 +295,12 @@ def check_logits(
     assert last
     for res in last:
         assert len(res["logits"]) == len(STEPS)
-        for got, hf, ours in zip(res["logits"], want_hf, want_ours, strict=True):
+        for got, hf, ours, greedy in zip(res["logits"], want_hf, want_ours, res["greedy"], strict=True):
             assert got.dtype == torch.float32 and got.shape == hf.shape and got.shape[1] == vocab
             assert (got - hf).abs().max().item() < atol
             assert (got - ours).abs().max().item() < atol
+            # the argmax taken over the vocab shards is the gathered logits' argmax, exactly
+            assert greedy.dtype == torch.int64 and torch.equal(greedy, got.argmax(dim=-1))
 
 
 def _full_numels(folder: Path, stage: int, pp: int) -> dict[str, int]:
@@ -503,6 +510,53 @@ def test_gpu_nccl(tmp_path, kind, overrides, tp, pp):
     folder = write_tiny_checkpoint(tmp_path / "ckpt", kind, seed=8, **overrides)
     results = run_ranks(tmp_path, folder, tp=tp, pp=pp, device="cuda")
     check_logits(results, folder, atol=1e-3)
+
+
+def _argmax_rows() -> torch.Tensor:
+    """[6, 11] logits whose maxima tie within a shard, across shards (every split of 11 over 3
+    ranks: [0, 4), [4, 8), [8, 11)), sit at either end, are -inf throughout, or NaN."""
+    inf, nan = float("inf"), float("nan")
+    rows = torch.zeros(6, 11)
+    rows[0, [2, 5, 9]] = 3.0  # one value at the top of every shard: the first wins
+    rows[1, [6, 7]] = 2.0  # a tie inside the second shard
+    rows[2, 10] = 1.0  # the last token
+    rows[3] = -inf
+    rows[4, [1, 8]] = nan  # torch.argmax takes the first NaN as the maximum
+    rows[4, 3] = inf
+    rows[5] = torch.arange(11.0).flip(0)  # the first token
+    return rows
+
+
+def _argmax_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        parallel = build_parallel_context(world_size, 1)
+        rows = _argmax_rows()
+        start, stop = split_evenly(rows.shape[1], world_size, rank)
+        local = rows[:, start:stop]
+        index = local.argmax(dim=-1, keepdim=True)
+        ids = tp_argmax(local.gather(-1, index).squeeze(-1), index.squeeze(-1) + start, parallel)
+        torch.save(ids, Path(out) / f"argmax{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_argmax_is_the_argmax_of_the_whole_row(tmp_path, tp):
+    """Each rank's first maximum of its shard, exchanged, is ``argmax`` over the whole row on
+    every rank: ties go to the first token, NaN wins as in ``torch.argmax``."""
+    port = _free_port()
+    procs = [CTX.Process(target=_argmax_rank, args=(r, tp, port, str(tmp_path)), daemon=True) for r in range(tp)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(JOIN_TIMEOUT_S)
+    assert [p.exitcode for p in procs] == [0] * tp
+    want = _argmax_rows().argmax(dim=-1)
+    assert want.tolist() == [2, 6, 10, 0, 1, 0]
+    for r in range(tp):
+        assert torch.equal(torch.load(tmp_path / f"argmax{r}.pt"), want)
 
 
 # --- pure pieces (no processes) -------------------------------------------------------------------

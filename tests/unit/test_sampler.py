@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pipeserve.runtime.worker import sampler as sampler_module
-from pipeserve.runtime.worker.sampler import Sampler, SamplerOutput, _filtered_probs, make_generator
-from pipeserve.scheduler.sampling_params import SamplingParams
+from pipeserve.runtime.worker.sampler import Sampler, SamplerOutput, _filtered_probs, make_generator, takes_argmax
+from pipeserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEVICES = [
     "cpu",
@@ -108,6 +108,34 @@ def test_greedy_is_argmax(device):
     assert isinstance(out, SamplerOutput) and out.logprobs is None
     assert out.token_ids.dtype == torch.int64 and out.token_ids.device.type == "cpu"
     np.testing.assert_array_equal(out.token_ids[:12].numpy(), logits[:12].numpy().argmax(-1))
+
+
+def test_takes_argmax_exactly_where_the_sampler_gives_the_argmax():
+    """The rows ``takes_argmax`` accepts sample their raw logits' argmax through the sampler too,
+    so ``chosen`` on that argmax is what the sampler would give; every other kind of row is
+    refused: something other than the argmax, or more than the token, is asked of it."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2, ignore_eos=True, stop_token_ids=[5])
+    assert takes_argmax([greedy, SamplingParams(temperature=0.0, seed=7)], [2, 0])
+    logits = random_logits(np.random.default_rng(5), 2, 64)
+    logits[:, 5] = 1e3  # the stop token everywhere on top: a row short of min_tokens would not take it
+    out = Sampler()(logits, [greedy] * 2, [None] * 2, num_output_tokens=[2, 3], eos_token_ids=[0])
+    seen = []
+    chosen = Sampler().chosen(logits.argmax(dim=-1), on_sampled=seen.append)
+    assert out.token_ids.tolist() == chosen.token_ids.tolist() == [5, 5] and chosen.logprobs is None
+    assert len(seen) == 1 and seen[0].tolist() == [5, 5]
+    refused = [
+        greedy.clone(temperature=0.7),
+        greedy.clone(logprobs=0),
+        greedy.clone(presence_penalty=0.5),
+        greedy.clone(repetition_penalty=1.1),
+        greedy.clone(logit_bias={3: 1.0}),
+        greedy.clone(allowed_token_ids=[1, 2]),
+        SamplingParams(temperature=0.0, structured_outputs=StructuredOutputsParams(regex="[ab]+")),
+    ]
+    for params in refused:
+        assert not takes_argmax([greedy, params], [2, 2]), params
+    assert not takes_argmax([greedy], [1])  # short of min_tokens: its stop token is held back
+    assert not takes_argmax([], [])  # nothing to sample
 
 
 def draw_frequencies(logits_row, params, num_draws, seeded, device="cpu"):
