@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--token-feedback", choices=("auto", "on", "off"), default="auto",
                    help="parallel.token_feedback (auto: the tree's default)")
     p.add_argument("--rounds", type=int, default=1, help="timed runs of the workload, one after another")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's sampling temperature (default 0: greedy); nothing else set, as "
+                        "an OpenAI client that sends only a temperature")
     p.add_argument("--penalties", action="store_true",
                    help="every request with presence 0.5, frequency 0.5 and repetition 1.1 penalties")
     p.add_argument("--json-fraction", type=float, default=0.0,
@@ -100,11 +103,11 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, out_len = workload_prompts(args.workload, args.num_requests, args.seed)
     num_requests = len(prompts)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True, **penalties)
+    params = SamplingParams(temperature=args.temperature, max_tokens=out_len, ignore_eos=True, **penalties)
     if args.json_fraction:  # every round's same requests, spread evenly over the list
         from pipeserve import StructuredOutputsParams
 
-        constrained = SamplingParams(temperature=0, max_tokens=out_len, **penalties,
+        constrained = SamplingParams(temperature=args.temperature, max_tokens=out_len, **penalties,
                                      structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
         every = round(1 / args.json_fraction)
         params = [constrained if i % every == 0 else params for i in range(num_requests)]

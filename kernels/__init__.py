@@ -11,6 +11,7 @@ the torch references (CPU, tests, parity with transformers) or the Triton kernel
     moe_experts(x, w13, w2, topk_ids, topk_weights) -> out  # routed SwiGLU experts: [T, H] -> [T, H]
     fp8_linear(x, w, w_scale, bias) -> y          # FP8 weight [N, K] with a scale per row: [M, K] -> [M, N]
     matmul(x, w, out_dtype) -> x @ w.T, or None     # None: the layers' F.linear (cuBLAS)
+    race_max(logits, inv_temperature, seeds, vocab_start) -> (values, ids), or None  # sampling's race: [N, V] -> [N], [N]
 
 ``kernel_ops(backend, device)`` picks the table: ``torch``, ``triton``, or ``auto`` (Triton on
 CUDA when it imports, torch elsewhere). ``batch_invariant=True`` gives the deterministic table:
@@ -41,6 +42,9 @@ class KernelOps:
     moe_experts: Callable
     fp8_linear: Callable
     matmul: Callable | None = None
+    race_max: Callable | None = None
+    """Temperature sampling's race over a vocab shard (``kernels/race.py``); None: the sampler's
+    own race serves every row (the CPU's, where a Philox per token would cost more)."""
 
 
 def torch_ops() -> KernelOps:
@@ -77,6 +81,7 @@ def triton_ops() -> KernelOps:
     from pipeserve.kernels.kv_cache import write_kv
     from pipeserve.kernels.moe import moe_experts
     from pipeserve.kernels.paged_attention import paged_attention
+    from pipeserve.kernels.race import race_max
     from pipeserve.kernels.rms_norm import add_rms_norm
     from pipeserve.kernels.rope import rope
     from pipeserve.kernels.silu_mul import silu_mul
@@ -90,6 +95,7 @@ def triton_ops() -> KernelOps:
         paged_attention=paged_attention,
         moe_experts=moe_experts,
         fp8_linear=fp8_linear,
+        race_max=race_max,
     )
 
 

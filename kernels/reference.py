@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -336,3 +337,50 @@ def attention_reference(
         scores = scores.masked_fill(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
     return out
+
+
+# --- the race of temperature sampling (kernels/race.py) -------------------------------------------
+
+_PHILOX_KEYS = (0x9E3779B9, 0xBB67AE85)
+_PHILOX_ROUNDS = (0xD2511F53, 0xCD9E8D57)
+_MASK32 = 0xFFFFFFFF
+
+
+def philox_uniform(seed: int, offsets: np.ndarray) -> np.ndarray:
+    """Triton's ``tl.rand(seed, offsets)`` for int32 offsets, bit for bit: Philox-4x32 with 10
+    rounds keyed by the 64-bit seed, counter (offset, 0, 0, 0), its first word as a float32 in
+    [0, 1)."""
+    c0 = offsets.astype(np.int64).astype(np.uint64) & np.uint64(_MASK32)
+    c1 = c2 = c3 = np.zeros_like(c0)
+    k0, k1 = np.uint64(seed & _MASK32), np.uint64((seed >> 32) & _MASK32)
+    a, b = (np.uint64(r) for r in _PHILOX_ROUNDS)
+    mask, shift = np.uint64(_MASK32), np.uint64(32)
+    for _ in range(10):
+        p_a, p_b = a * c0, b * c2  # < 2**64: exact in uint64
+        c0, c1, c2, c3 = ((p_b >> shift) ^ c1 ^ k0) & mask, p_b & mask, ((p_a >> shift) ^ c3 ^ k1) & mask, p_a & mask
+        k0, k1 = (k0 + np.uint64(_PHILOX_KEYS[0])) & mask, (k1 + np.uint64(_PHILOX_KEYS[1])) & mask
+    x = c0.astype(np.uint32).view(np.int32).astype(np.int64)
+    x = np.where(x < 0, -x - 1, x).astype(np.int32)
+    return x.astype(np.float32) * np.float32(4.6566127342e-10)
+
+
+def race_max_reference(logits: torch.Tensor, inv_temperature: torch.Tensor, seeds: torch.Tensor,
+                       vocab_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.race.race_max`` in NumPy (for tests: a Philox in NumPy is slow): each row's
+    first maximum of ``logit * inv_temperature - log(-log u)`` (raw logits where
+    ``inv_temperature`` is 0), u = ``philox_uniform(seed, global token id)``; NaN never wins."""
+    # logits: [N, V]
+    x = logits.detach().float().cpu().numpy()
+    inv_t, row_seeds = inv_temperature.cpu().numpy(), seeds.cpu().tolist()
+    ids = np.arange(x.shape[1], dtype=np.int64) + vocab_start
+    values, index = [], []
+    for row, t, seed in zip(x, inv_t, row_seeds):
+        if t > 0:
+            with np.errstate(divide="ignore"):
+                row = row * np.float32(t) - np.log(-np.log(philox_uniform(seed, ids)))
+        row = np.where(np.isnan(row), -np.inf, row)
+        best = int(np.argmax(row))
+        values.append(row[best])
+        index.append(best + vocab_start)
+    device = logits.device
+    return torch.tensor(values, dtype=torch.float32, device=device), torch.tensor(index, dtype=torch.int64, device=device)

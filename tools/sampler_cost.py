@@ -1,8 +1,9 @@
-"""Sampler time per step on the CPU, by sampling options and batch size.
+"""Sampler time per step, by sampling options and batch size.
 
     python -m tools.sampler_cost                              # vocabulary 49152, N = 1 8 64 256
     python -m tools.sampler_cost --batch-sizes 64 --repeats 50
     python -m tools.sampler_cost --flat                       # top-p's worst case
+    python -m tools.sampler_cost --device cuda --vocab-size 128256   # Llama 3's vocabulary on a GPU
 
 Times ``Sampler()(logits, params, generators)`` with the ids copied to the host, as a worker
 calls it, and prints the median milliseconds per step of each option (rows) at each batch size
@@ -74,9 +75,10 @@ def time_step(sampler: SamplerFn, logits: torch.Tensor, params: Sequence[Samplin
 
 
 def cost_table(sampler: SamplerFn, batch_sizes: Sequence[int], vocab_size: int, *, repeats: int,
-               flat: bool) -> dict[str, list[float]]:
-    """{option: [ms per step at each batch size]}."""
-    logits = make_logits(max(batch_sizes), vocab_size, flat=flat)
+               flat: bool, device: str = "cpu") -> dict[str, list[float]]:
+    """{option: [ms per step at each batch size]}, the logits on ``device`` (the time includes
+    bringing the ids to the host, which waits for the device)."""
+    logits = make_logits(max(batch_sizes), vocab_size, flat=flat).to(device)
     table: dict[str, list[float]] = {name: [] for name in OPTIONS}
     for num_rows in batch_sizes:
         rows = logits[:num_rows]
@@ -101,13 +103,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per cell")
     parser.add_argument("--flat", action="store_true", help="flat logits (top-p sorts)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    parser.add_argument("--device", default="cpu", help="where the logits are (cpu, cuda)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     table = cost_table(Sampler(), args.batch_sizes, args.vocab_size, repeats=args.repeats,
-                       flat=args.flat)
-    print(f"vocabulary {args.vocab_size}, float32 logits on the CPU, {torch.get_num_threads()} "
-          f"threads, {'flat' if args.flat else 'LM-shaped'} logits, median of {args.repeats}")
+                       flat=args.flat, device=args.device)
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"the CPU, {torch.get_num_threads()} threads"
+    print(f"vocabulary {args.vocab_size}, float32 logits on {where}, "
+          f"{'flat' if args.flat else 'LM-shaped'} logits, median of {args.repeats}")
     print(format_table(table, args.batch_sizes))
 
 

@@ -698,13 +698,30 @@ class LlamaForCausalLM(nn.Module):
         exchange one (value, token) pair a row (``tp_argmax``). A collective that every TP rank
         joins, as ``compute_logits``'s."""
         # hidden: [N, H]
-        assert self.lm_head is not None, "greedy_token_ids needs the last stage"
-        local = self.lm_head.shard_logits(hidden)  # [N, V_local]
-        if self.config.final_logit_softcapping is not None:  # the values compute_logits compares
-            local = self._soft_cap(local.float())
+        local = self._shard_logits(hidden)  # [N, V_local]
         index = local.argmax(dim=-1, keepdim=True)  # [N, 1]: argmax on the model's dtype is exact
         values = local.gather(-1, index).squeeze(-1)  # [N]
         return tp_argmax(values, index.squeeze(-1) + self.lm_head.vocab_start, self.parallel)
+
+    def race_token_ids(self, hidden: torch.Tensor, inv_temperature: torch.Tensor,
+                       seeds: torch.Tensor) -> torch.Tensor:
+        """[N] int64: each row's token drawn from softmax(logits / T) by the ops' race
+        (``kernels/race.py``: ``inv_temperature`` [N] float32 1 / T, 0 for a greedy row; ``seeds``
+        [N] int64 its noise), on every TP rank, without gathering the logits: each rank races its
+        vocab shard and the ranks exchange their winners (``tp_argmax``). A collective that every
+        TP rank joins, as ``compute_logits``'s."""
+        # hidden: [N, H]
+        values, index = self.ops.race_max(self._shard_logits(hidden), inv_temperature, seeds,
+                                          self.lm_head.vocab_start)
+        return tp_argmax(values, index, self.parallel)
+
+    def _shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This TP rank's columns of ``compute_logits``' values: the model's dtype, float32 where
+        they are soft-capped."""
+        # hidden: [N, H] -> [N, V_local]
+        assert self.lm_head is not None, "sampling needs the last stage"
+        local = self.lm_head.shard_logits(hidden)
+        return local if self.config.final_logit_softcapping is None else self._soft_cap(local.float())
 
     def _soft_cap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping

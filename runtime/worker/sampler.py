@@ -134,13 +134,38 @@ class Sampler:
 
 def takes_argmax(params: Sequence[SamplingParams], num_output_tokens: Sequence[int]) -> bool:
     """Whether the sampler would give every row the argmax of its raw logits and nothing else:
-    some rows, each greedy, without logprobs, structured output or anything that processes its
-    logits (penalties, logit_bias, allowed_token_ids, bad_words), and past its min_tokens. Such
-    a step needs no full-vocabulary logits (``LlamaForCausalLM.greedy_token_ids``; ``chosen``)."""
+    some rows, each greedy and ``_raw``. Such a step needs no full-vocabulary logits
+    (``LlamaForCausalLM.greedy_token_ids``; ``chosen``)."""
+    assert len(params) == len(num_output_tokens)
+    return bool(params) and all(p.is_greedy and _raw(p, done) for p, done in zip(params, num_output_tokens))
+
+
+def takes_race(params: Sequence[SamplingParams], num_output_tokens: Sequence[int]) -> bool:
+    """Whether every row may take its token from the race over the vocab shards
+    (``kernels/race.py``, ``LlamaForCausalLM.race_token_ids``): some rows, each ``_raw`` and
+    greedy, or asking for a temperature only (no top-k, top-p or min-p) and no seed. A seeded
+    row stays with this sampler, whose draws it keeps whatever else shares its batch."""
     assert len(params) == len(num_output_tokens)
     return bool(params) and all(
-        p.is_greedy and p.logprobs is None and p.structured_outputs is None and not p.processes_logits
-        and done >= p.min_tokens for p, done in zip(params, num_output_tokens))
+        _raw(p, done) and (p.is_greedy or (p.seed is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0))
+        for p, done in zip(params, num_output_tokens))
+
+
+def race_inputs(params: Sequence[SamplingParams], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' [N] float32 1 / temperature (0: greedy) and [N] int64 noise seeds for the race,
+    on ``device``. The seeds come from torch's default CPU generator: every rank of a TP group,
+    seeded alike and drawing at the same steps, draws the same ones."""
+    inv_temperature = [0.0 if p.is_greedy else 1.0 / p.temperature for p in params]
+    seeds = torch.randint(1 << 62, (len(params),), dtype=torch.int64)
+    return host_to_device(inv_temperature, torch.float32, device), host_to_device(seeds, torch.int64, device)
+
+
+def _raw(p: SamplingParams, num_done: int) -> bool:
+    """Whether nothing but the row's raw logits decides its token: no logprobs, structured
+    output or anything that processes its logits (penalties, logit_bias, allowed_token_ids,
+    bad_words), and past its min_tokens."""
+    return (p.logprobs is None and p.structured_outputs is None and not p.processes_logits
+            and num_done >= p.min_tokens)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:

@@ -55,7 +55,7 @@ from pipeserve.runtime.worker.prompt_logprobs import (
     prompt_logprobs_of,
     prompt_rows,
 )
-from pipeserve.runtime.worker.sampler import Sampler, make_generator, takes_argmax
+from pipeserve.runtime.worker.sampler import Sampler, make_generator, race_inputs, takes_argmax, takes_race
 from pipeserve.scheduler import SamplingParams
 
 EXIT_ENGINE_LOST = 3
@@ -236,6 +236,9 @@ class Worker:
         hidden = self.model(inputs.input_ids, inputs.positions, kv, inputs.meta, hidden_states=hidden_in)
         if self.ctx.is_last_stage:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
+            if self.model.ops.race_max is not None:  # (compiled here, not in the first request)
+                plain = [SamplingParams(temperature=1.0)] * num_seqs
+                self.model.race_token_ids(hidden[inputs.sample_indices], *race_inputs(plain, self.device))
             if self.ctx.is_driver:
                 params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs
                 self.sampler(logits, params, [None] * num_seqs)
@@ -269,14 +272,18 @@ class Worker:
             return None
         # The LM head's collectives come before sampling, so every TP rank joins them in the same
         # order (the driver's feedback sends come after them on every rank). A step whose rows
-        # all take their argmax (decided from the plan alone, the same on every rank) gathers
-        # one (value, token) pair a row instead of the full-vocabulary logits.
+        # all take their argmax, or all race (decided from the plan alone, the same on every
+        # rank), gathers one (value, token) pair a row instead of the full-vocabulary logits.
         sampled = [s for s in plan.seqs if s.needs_sample]
+        params, num_done = [s.sampling for s in sampled], [s.num_output_tokens for s in sampled]
+        rows = hidden[inputs.sample_indices]
         logits = token_ids = None
-        if takes_argmax([s.sampling for s in sampled], [s.num_output_tokens for s in sampled]):
-            token_ids = self.model.greedy_token_ids(hidden[inputs.sample_indices])  # [N]
+        if takes_argmax(params, num_done):
+            token_ids = self.model.greedy_token_ids(rows)  # [N]
+        elif self.model.ops.race_max is not None and takes_race(params, num_done):
+            token_ids = self.model.race_token_ids(rows, *race_inputs(params, self.device))  # [N]
         else:
-            logits = self.model.compute_logits(hidden[inputs.sample_indices])  # [N, V]
+            logits = self.model.compute_logits(rows)  # [N, V]
         prompt = self._prompt_logprobs(plan, hidden)
         if not self.ctx.is_driver:
             self.busy.end(plan.step_id)
@@ -358,7 +365,7 @@ class Worker:
         # With token feedback nothing waits for this result on the critical path: leave the ids
         # on the device and go on to the next plan; serve() sends the result once they are here.
         defer = sender is not None and self.device.type == "cuda"
-        if token_ids is not None:  # the rows' argmax, taken over the TP ranks' vocab shards
+        if token_ids is not None:  # the rows' argmax or race, taken over the TP ranks' vocab shards
             out = self.sampler.chosen(token_ids, on_sampled=on_sampled, to_host=not defer)
         else:
             out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],

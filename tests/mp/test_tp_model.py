@@ -10,6 +10,7 @@ the same checkpoint within 1e-4, and every rank must hold and read only its slic
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import multiprocessing as mp
 import random
@@ -31,6 +32,7 @@ from helpers_model import (
     write_tiny_checkpoint,
 )
 
+from pipeserve.kernels.reference import race_max_reference
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, tp_argmax
 from pipeserve.parallel.stage_plan import plan_stages
 from pipeserve.parallel.tp_layers import shard_heads, split_evenly, split_sizes
@@ -94,10 +96,12 @@ def _plan_steps() -> list[SimpleNamespace]:
 
 @torch.no_grad()
 def run_steps(
-    model, parallel: ParallelContext, kv_caches, plan, device="cpu", greedy: list | None = None
+    model, parallel: ParallelContext, kv_caches, plan, device="cpu", greedy: list | None = None,
+    races: list | None = None,
 ) -> list[torch.Tensor]:
     """Every micro-batch through this rank's stage; the last stage returns [T, V] logits each
-    (and appends each one's ``greedy_token_ids`` [T] to ``greedy`` where given)."""
+    (and appends each one's ``greedy_token_ids`` [T] to ``greedy`` and ``race_token_ids`` [T]
+    to ``races``, with ``_race_inputs``, where given)."""
     logits = []
     for step in plan:
         meta = make_metadata(step.seqs, step.tables, BLOCK_SIZE, device)
@@ -118,9 +122,18 @@ def run_steps(
             logits.append(model.compute_logits(out))
             if greedy is not None:
                 greedy.append(model.greedy_token_ids(out))
+            if races is not None:
+                races.append(model.race_token_ids(out, *_race_inputs(len(step.ids), device)))
         else:
             dist.send(out, dst=parallel.next_rank)
     return logits
+
+
+def _race_inputs(num_rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every fourth row greedy, the others at temperatures 0.5 to 2; seeds by row."""
+    inv_temperature = torch.tensor([0.0, 2.0, 1.0, 0.5] * num_rows)[:num_rows]
+    seeds = torch.arange(num_rows, dtype=torch.int64) * 1_000_003 + 7
+    return inv_temperature.to(device), seeds.to(device)
 
 
 def _kv_caches(model, device="cpu") -> list[torch.Tensor]:
@@ -180,11 +193,14 @@ def _rank_main(
             model = _load_smollm2(parallel)
         else:
             model = _load_counting_reads(folder, parallel, pp, num_read, device)
-        greedy = []
-        logits = run_steps(model, parallel, _kv_caches(model, device), _plan_steps(), device, greedy)
+        greedy, races = [], []
+        # the race over each rank's vocab shard, on the CPU through the kernel's reference
+        model.ops = dataclasses.replace(model.ops, race_max=model.ops.race_max or race_max_reference)
+        logits = run_steps(model, parallel, _kv_caches(model, device), _plan_steps(), device, greedy, races)
         result = {
             "logits": [t.cpu() for t in logits],
             "greedy": [t.cpu() for t in greedy],
+            "races": [t.cpu() for t in races],
             "numels": {n: p.numel() for n, p in model.named_parameters()},
             "num_read": num_read[0],
             "num_local_kv_heads": model.num_local_kv_heads,
@@ -295,12 +311,14 @@ def check_logits(
     assert last
     for res in last:
         assert len(res["logits"]) == len(STEPS)
-        for got, hf, ours, greedy in zip(res["logits"], want_hf, want_ours, res["greedy"], strict=True):
+        for got, hf, ours, greedy, race in zip(res["logits"], want_hf, want_ours, res["greedy"], res["races"],
+                                               strict=True):
             assert got.dtype == torch.float32 and got.shape == hf.shape and got.shape[1] == vocab
             assert (got - hf).abs().max().item() < atol
             assert (got - ours).abs().max().item() < atol
-            # the argmax taken over the vocab shards is the gathered logits' argmax, exactly
+            # the argmax and the race taken over the vocab shards are the gathered logits', exactly
             assert greedy.dtype == torch.int64 and torch.equal(greedy, got.argmax(dim=-1))
+            assert torch.equal(race, race_max_reference(got, *_race_inputs(len(got), "cpu"))[1])
 
 
 def _full_numels(folder: Path, stage: int, pp: int) -> dict[str, int]:

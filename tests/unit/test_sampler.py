@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from pipeserve.runtime.worker import sampler as sampler_module
-from pipeserve.runtime.worker.sampler import Sampler, SamplerOutput, _filtered_probs, make_generator, takes_argmax
+from pipeserve.runtime.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    _filtered_probs,
+    make_generator,
+    race_inputs,
+    takes_argmax,
+    takes_race,
+)
 from pipeserve.scheduler.sampling_params import SamplingParams, StructuredOutputsParams
 
 DEVICES = [
@@ -136,6 +144,26 @@ def test_takes_argmax_exactly_where_the_sampler_gives_the_argmax():
         assert not takes_argmax([greedy, params], [2, 2]), params
     assert not takes_argmax([greedy], [1])  # short of min_tokens: its stop token is held back
     assert not takes_argmax([], [])  # nothing to sample
+
+
+def test_takes_race_for_unseeded_temperature_rows_only():
+    """The race (``kernels/race.py``) serves greedy rows and rows that ask for a temperature
+    alone, unseeded; a seeded row or any filter keeps the sampler's own race."""
+    plain = SamplingParams(temperature=0.8)
+    greedy = SamplingParams(temperature=0.0)
+    assert takes_race([plain, greedy, SamplingParams()], [0, 0, 3])
+    refused = [plain.clone(seed=3), plain.clone(top_k=20), plain.clone(top_p=0.9), plain.clone(min_p=0.1),
+               plain.clone(logprobs=1), plain.clone(logit_bias={1: 2.0}), plain.clone(frequency_penalty=0.5)]
+    for params in refused:
+        assert not takes_race([plain, params], [0, 0]), params
+    assert not takes_race([plain.clone(min_tokens=2)], [1]) and takes_race([plain.clone(min_tokens=2)], [2])
+    assert not takes_race([], [])
+    torch.manual_seed(11)
+    inv_t, seeds = race_inputs([plain, greedy, SamplingParams(temperature=2.0)], torch.device("cpu"))
+    assert inv_t.dtype == torch.float32 and inv_t.tolist() == pytest.approx([1.25, 0.0, 0.5])
+    assert seeds.dtype == torch.int64 and seeds.shape == (3,) and len(set(seeds.tolist())) == 3
+    torch.manual_seed(11)  # every TP rank, seeded alike, draws the same seeds
+    assert torch.equal(race_inputs([plain] * 3, torch.device("cpu"))[1], seeds)
 
 
 def draw_frequencies(logits_row, params, num_draws, seeded, device="cpu"):
