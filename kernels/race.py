@@ -12,8 +12,11 @@ stored. A greedy row (``inv_temperature`` 0) scores its raw logits.
 
 The grid is (rows, chunks of ``CHUNK`` tokens): each program keeps the first maximum of its
 chunk, and the chunks' winners are compared with torch (the first chunk of the maximum wins).
-A NaN score never wins. Reference: ``kernels.reference.race_max_reference`` (NumPy Philox,
-the same bits).
+A NaN score never wins. The noise is float32: ``-log(u)`` is at least 2**-24 or so, so ``g`` at
+most about 16.6, and a token less likely than about 1e-8 times the row's most likely one is
+(almost) never drawn, as with any float32 exponential race. Reference:
+``kernels.reference.race_max_reference`` (NumPy: Triton's Philox uniforms bit for bit, the
+scores within float32 rounding, as the GPU fuses the multiply and the add).
 """
 
 from __future__ import annotations

@@ -140,14 +140,23 @@ def takes_argmax(params: Sequence[SamplingParams], num_output_tokens: Sequence[i
     return bool(params) and all(p.is_greedy and _raw(p, done) for p, done in zip(params, num_output_tokens))
 
 
+RACE_MIN_TEMPERATURE = 0.01
+"""The race scores logit / T + noise in float32: below this temperature logit / T outgrows the
+noise's resolution (float32's spacing at 25 / 1e-5 is 0.25) and rounding would favour the lower
+of nearly tied tokens; such rows stay with this sampler, which subtracts the row's maximum first."""
+
+
 def takes_race(params: Sequence[SamplingParams], num_output_tokens: Sequence[int]) -> bool:
     """Whether every row may take its token from the race over the vocab shards
     (``kernels/race.py``, ``LlamaForCausalLM.race_token_ids``): some rows, each ``_raw`` and
-    greedy, or asking for a temperature only (no top-k, top-p or min-p) and no seed. A seeded
-    row stays with this sampler, whose draws it keeps whatever else shares its batch."""
+    greedy, or asking for a temperature only (no top-k, top-p or min-p), of at least
+    ``RACE_MIN_TEMPERATURE`` and no seed. A seeded row stays with this sampler, whose draws it
+    keeps whatever else shares its batch. (A NaN logit, a broken model's, never wins the race,
+    where ``torch.argmax`` would take it.)"""
     assert len(params) == len(num_output_tokens)
     return bool(params) and all(
-        _raw(p, done) and (p.is_greedy or (p.seed is None and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0))
+        _raw(p, done) and (p.is_greedy or (p.seed is None and p.temperature >= RACE_MIN_TEMPERATURE and p.top_k == 0
+                                           and p.top_p == 1.0 and p.min_p == 0.0))
         for p, done in zip(params, num_output_tokens))
 
 

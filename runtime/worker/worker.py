@@ -335,7 +335,7 @@ class Worker:
     def _sample(self, plan: StepPlan, logits: torch.Tensor | None, prompt: tuple[PromptRows, tuple] | None,
                 seconds: float, *, token_ids: torch.Tensor | None = None) -> StepResult | PendingResult:
         """Samples the plan's sequences from their [N, V] ``logits``, or takes their [N]
-        ``token_ids`` (rows that all ``takes_argmax``, with no logits); ``prompt``: its prompt
+        ``token_ids`` (rows that all ``takes_argmax`` or ``takes_race``, with no logits); ``prompt``: its prompt
         rows' logprobs (``_prompt_logprobs``), brought to the host after the sampled ids are on
         their way (a step with prompt rows waits for the device)."""
         self._history.apply_plan(plan)

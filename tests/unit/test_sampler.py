@@ -148,11 +148,13 @@ def test_takes_argmax_exactly_where_the_sampler_gives_the_argmax():
 
 def test_takes_race_for_unseeded_temperature_rows_only():
     """The race (``kernels/race.py``) serves greedy rows and rows that ask for a temperature
-    alone, unseeded; a seeded row or any filter keeps the sampler's own race."""
+    alone (not below RACE_MIN_TEMPERATURE), unseeded; a seeded row or any filter keeps the
+    sampler's own race."""
     plain = SamplingParams(temperature=0.8)
     greedy = SamplingParams(temperature=0.0)
     assert takes_race([plain, greedy, SamplingParams()], [0, 0, 3])
-    refused = [plain.clone(seed=3), plain.clone(top_k=20), plain.clone(top_p=0.9), plain.clone(min_p=0.1),
+    refused = [plain.clone(seed=3), plain.clone(temperature=0.005), plain.clone(top_k=20), plain.clone(top_p=0.9),
+               plain.clone(min_p=0.1),
                plain.clone(logprobs=1), plain.clone(logit_bias={1: 2.0}), plain.clone(frequency_penalty=0.5)]
     for params in refused:
         assert not takes_race([plain, params], [0, 0]), params
