@@ -6,8 +6,7 @@
     python -m tools.sampler_cost --device cuda --vocab-size 128256   # Llama 3's vocabulary on a GPU
 
 Times ``Sampler()(logits, params, generators)`` with the ids copied to the host, as a worker
-calls it (on a GPU with the race kernel, ``kernels/race.py``, for the unseeded random rows),
-and prints the median milliseconds per step of each option (rows) at each batch size
+calls it, and prints the median milliseconds per step of each option (rows) at each batch size
 (columns). Seeded rows keep their generators across steps, as requests do.
 
 The logits are synthetic but shaped like SmolLM2-135M's: a row's logit at rank r falls as
@@ -19,14 +18,12 @@ a nucleus of 4 / 11 / 350 tokens at the 10th / 50th / 90th percentile (the model
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from pipeserve.kernels import kernel_ops
 from pipeserve.runtime.worker.sampler import Sampler, make_generator
 from pipeserve.scheduler.sampling_params import SamplingParams
 
@@ -110,11 +107,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    sampler = Sampler()
-    if args.device.startswith("cuda"):  # as a worker calls it there: unseeded random rows race
-        race_max = kernel_ops("auto", torch.device(args.device)).race_max
-        sampler = functools.partial(sampler, race_max=race_max)
-    table = cost_table(sampler, args.batch_sizes, args.vocab_size, repeats=args.repeats,
+    table = cost_table(Sampler(), args.batch_sizes, args.vocab_size, repeats=args.repeats,
                        flat=args.flat, device=args.device)
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"the CPU, {torch.get_num_threads()} threads"
     print(f"vocabulary {args.vocab_size}, float32 logits on {where}, "

@@ -27,12 +27,6 @@ race between all tokens, so the token keeps its distribution while a row draws
 ceil(V / _BLOCK_SIZE) + _BLOCK_SIZE numbers instead of V. A row with a generator fills its own
 ``q`` from that generator only, the same count every step, so a seeded request produces the same
 tokens whatever else shares its batch.
-
-On a GPU (``race_max`` given: ``kernels/race.py``) an unseeded random row instead races in one
-pass over its logits, those below its filters' threshold set to -inf: logit / T plus Gumbel
-noise keyed by (a seed drawn for the step, the token id), no probabilities stored. A worker
-whose step asks for nothing else (``takes_race``) races over the TP ranks' vocab shards and
-never calls the sampler.
 """
 
 from __future__ import annotations
@@ -91,7 +85,6 @@ class Sampler:
         token_bitmask: TokenBitmask | None = None,
         on_sampled: Callable[[torch.Tensor], None] | None = None,
         to_host: bool = True,
-        race_max: Callable | None = None,
     ) -> SamplerOutput:
         """Sample one token per row.
 
@@ -108,9 +101,6 @@ class Sampler:
             copied to the host (token feedback sends them on from there).
         to_host: False leaves ``token_ids`` on the logits' device (no synchronization) when no
             row asks for logprobs; the caller brings them over.
-        race_max: the race kernel (``kernels/race.py``, a GPU's): unseeded random rows draw
-            with it among the tokens their filters keep, one pass over their logits where the
-            two-round race below makes several (None: every random row takes that race).
         """
         assert logits.dim() == 2, f"logits must be [N, V], got {tuple(logits.shape)}"
         num_rows = logits.shape[0]
@@ -120,7 +110,7 @@ class Sampler:
         assert num_output_tokens is None or len(num_output_tokens) == num_rows
         logits = logits.float()
         token_ids = _sample(logits, params, generators, num_output_tokens, eos_token_ids, history,
-                            token_bitmask, race_max)  # [N]
+                            token_bitmask)  # [N]
         if on_sampled is not None:
             on_sampled(token_ids)
         wants_logprobs = any(p.logprobs is not None for p in params)
@@ -204,7 +194,6 @@ def _sample(
     eos_token_ids: Sequence[int],
     history: HistoryRows | None,
     token_bitmask: TokenBitmask | None,
-    race_max: Callable | None = None,
 ) -> torch.Tensor:
     """[N] int64 token ids on the logits' device, one chunk of rows at a time."""
     # logits: [N, V]
@@ -216,7 +205,7 @@ def _sample(
         x = process_logits(x, params[rows], None if history is None else history[rows])
         if num_output_tokens is not None:
             x = _apply_min_tokens(x, params[rows], num_output_tokens[rows], eos_token_ids)
-        pieces.append(_sample_rows(x, params[rows], generators[rows], race_max))
+        pieces.append(_sample_rows(x, params[rows], generators[rows]))
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
@@ -233,47 +222,21 @@ def _sample_rows(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
-    race_max: Callable | None = None,
 ) -> torch.Tensor:
     # logits: [n, V]
     greedy = [i for i, p in enumerate(params) if p.is_greedy]
     if len(greedy) == len(params):
         return logits.argmax(dim=-1)
-    raced = [] if race_max is None else [
-        i for i, (p, g) in enumerate(zip(params, generators))
-        if not p.is_greedy and g is None and p.temperature >= RACE_MIN_TEMPERATURE]
-    drawn = [i for i, p in enumerate(params) if not p.is_greedy and i not in set(raced)]
-    if len(drawn) == len(params):
+    if not greedy:
         return _race(_filtered_blocks(logits, params), generators)
-    if len(raced) == len(params):
-        return _raced(logits, params, race_max)
+    rest = [i for i, p in enumerate(params) if not p.is_greedy]
+    index = host_to_device(greedy + rest, torch.int64, logits.device)
+    greedy_index, rest_index = index.split([len(greedy), len(rest)])
+    blocks = _filtered_blocks(logits.index_select(0, rest_index), [params[i] for i in rest])
+    sampled = _race(blocks, [generators[i] for i in rest])
     token_ids = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    groups = [
-        (greedy, lambda x, rows: x.argmax(dim=-1)),
-        (raced, lambda x, rows: _raced(x, [params[i] for i in rows], race_max)),
-        (drawn, lambda x, rows: _race(_filtered_blocks(x, [params[i] for i in rows]), [generators[i] for i in rows])),
-    ]
-    for rows, take in groups:
-        if rows:
-            index = host_to_device(rows, torch.int64, logits.device)
-            token_ids.index_copy_(0, index, take(logits.index_select(0, index), rows))
-    return token_ids
-
-
-def _raced(logits: torch.Tensor, params: Sequence[SamplingParams], race_max: Callable) -> torch.Tensor:
-    """[n] int64: each row's token drawn by ``race_max`` at its temperature among the tokens its
-    filters keep (``_threshold``: the same tokens the two-round race draws among), noise seeds
-    from torch's default CPU generator."""
-    # logits: [n, V]
-    settings = _RowSettings.of(params, logits.shape[1], logits.device)
-    x_max = logits.amax(dim=-1, keepdim=True)  # [n, 1]
-    probs = None
-    if settings.uses_top_p and settings.candidate_sizes[0] < logits.shape[1]:  # (on the CPU only)
-        probs = _relative_probs(logits, x_max, settings.log2e_over_temperature)
-    threshold = _threshold(logits, probs, x_max, settings)  # [n, 1] or None
-    if threshold is not None:
-        logits = logits.masked_fill(logits < threshold, float("-inf"))
-    return race_max(logits, *race_inputs(params, logits.device))[1]
+    token_ids.index_copy_(0, greedy_index, logits.index_select(0, greedy_index).argmax(dim=-1))
+    return token_ids.index_copy_(0, rest_index, sampled)
 
 
 def _filtered_probs(
@@ -385,12 +348,10 @@ def _row_settings(p: SamplingParams | None, vocab_size: int, num_candidates: int
 
 
 def _threshold(
-    logits: torch.Tensor, probs: torch.Tensor | None, x_max: torch.Tensor, settings: _RowSettings
+    logits: torch.Tensor, probs: torch.Tensor, x_max: torch.Tensor, settings: _RowSettings
 ) -> torch.Tensor | None:
-    """[n, 1]: the lowest logit each row keeps (-inf: every token); None if no row filters.
-    ``probs`` (unfiltered) may be None unless top-p's first candidates are fewer than the row's
-    tokens (the CPU's)."""
-    # logits, probs: [n, V]; x_max: [n, 1]
+    """[n, 1]: the lowest logit each row keeps (-inf: every token); None if no row filters."""
+    # logits, probs: [n, V] (probs unfiltered); x_max: [n, 1]
     cuts = []
     top_k_cut = None
     if settings.candidate_sizes:

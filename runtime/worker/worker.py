@@ -241,7 +241,7 @@ class Worker:
                 self.model.race_token_ids(hidden[inputs.sample_indices], *race_inputs(plain, self.device))
             if self.ctx.is_driver:
                 params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * num_seqs
-                self.sampler(logits, params, [None] * num_seqs, race_max=self.model.ops.race_max)
+                self.sampler(logits, params, [None] * num_seqs)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device) - held
 
@@ -370,7 +370,7 @@ class Worker:
         else:
             out = self.sampler(logits, params, gens, num_output_tokens=[s.num_output_tokens for s in seqs],
                                eos_token_ids=self.eos_token_ids, history=history, token_bitmask=bitmask,
-                               on_sampled=on_sampled, to_host=not defer, race_max=self.model.ops.race_max)
+                               on_sampled=on_sampled, to_host=not defer)
         prompt_logprobs = [] if prompt is None else prompt_logprobs_of(*prompt)
         if out.token_ids.device.type != "cpu":
             return PendingResult(plan.step_id, [s.request_id for s in seqs], out.token_ids, seconds,

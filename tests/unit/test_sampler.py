@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from pipeserve.runtime.worker import sampler as sampler_module
-from pipeserve.kernels.reference import race_max_reference
 from pipeserve.runtime.worker.sampler import (
     Sampler,
     SamplerOutput,
@@ -189,52 +188,6 @@ def test_empirical_distribution_matches_reference(seeded, num_draws):
     freq = draw_frequencies(logits, params, num_draws, seeded)
     assert np.all(freq[expected == 0] == 0)
     assert np.abs(freq - expected).max() < (0.02 if num_draws >= 20_000 else 0.03)
-
-
-RACED_SETTINGS = [
-    dict(temperature=0.7),
-    dict(temperature=0.5, top_k=3),
-    dict(temperature=0.7, top_p=0.9),
-    dict(temperature=1.0, min_p=0.2),
-    dict(temperature=1.2, top_k=6, top_p=0.8, min_p=0.05),
-]
-
-
-@pytest.mark.parametrize("settings", RACED_SETTINGS, ids=str)
-def test_raced_rows_draw_the_filtered_distribution(settings):
-    """Unseeded rows raced by ``race_max`` (here its NumPy reference, the kernel's bits) draw
-    the reference's filtered distribution: nothing outside the support, frequencies within
-    0.03 over 6,000 draws."""
-    logits = torch.tensor([2.0, 1.5, 1.2, 0.4, 0.3, -0.5, -1.0, -3.0])  # V = 8
-    params = SamplingParams(**settings)
-    expected = ref_probs(logits.numpy(), params)
-    torch.manual_seed(99)
-    ids = Sampler()(logits.expand(6000, -1).contiguous(), [params] * 6000, [None] * 6000,
-                    race_max=race_max_reference).token_ids
-    freq = np.bincount(ids.numpy(), minlength=8) / 6000
-    assert np.all(freq[expected == 0] == 0), (freq, expected)
-    assert np.abs(freq - expected).max() < 0.03, (freq, expected)
-
-
-def test_raced_rows_beside_greedy_and_seeded_ones():
-    """In a batch with ``race_max``, greedy rows take their argmax and seeded rows (and rows too
-    cold for the race) draw exactly what they draw without it, whatever the others do."""
-    rng = np.random.default_rng(8)
-    logits = random_logits(rng, 6, 300)
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, top_p=0.9, seed=5),
-              SamplingParams(temperature=0.9, top_k=20), SamplingParams(temperature=1.0, seed=6),
-              SamplingParams(temperature=0.005), SamplingParams(temperature=1.1, min_p=0.1)]
-
-    def draw(race_max):
-        torch.manual_seed(3)
-        gens = [make_generator(p.seed, "cpu") for p in params]
-        return Sampler()(logits, params, gens, race_max=race_max).token_ids.tolist()
-
-    without, raced = draw(None), draw(race_max_reference)
-    assert raced[0] == int(logits[0].argmax())
-    assert [raced[i] for i in (1, 3)] == [without[i] for i in (1, 3)]  # the seeded rows
-    kept = [ref_probs(logits[i].numpy(), params[i]) > 0 for i in (2, 5)]
-    assert kept[0][raced[2]] and kept[1][raced[5]]
 
 
 def run_steps(logits_steps, layout, device="cpu"):
