@@ -89,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="every request's sampling temperature (default 0: greedy); nothing else set, as "
                         "an OpenAI client that sends only a temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p (with --temperature)")
     p.add_argument("--penalties", action="store_true",
                    help="every request with presence 0.5, frequency 0.5 and repetition 1.1 penalties")
     p.add_argument("--json-fraction", type=float, default=0.0,
@@ -103,11 +104,12 @@ def main(argv: list[str] | None = None) -> dict:
     prompts, out_len = workload_prompts(args.workload, args.num_requests, args.seed)
     num_requests = len(prompts)
     penalties = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1) if args.penalties else {}
-    params = SamplingParams(temperature=args.temperature, max_tokens=out_len, ignore_eos=True, **penalties)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=out_len, ignore_eos=True,
+                            **penalties)
     if args.json_fraction:  # every round's same requests, spread evenly over the list
         from pipeserve import StructuredOutputsParams
 
-        constrained = SamplingParams(temperature=args.temperature, max_tokens=out_len, **penalties,
+        constrained = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=out_len, **penalties,
                                      structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
         every = round(1 / args.json_fraction)
         params = [constrained if i % every == 0 else params for i in range(num_requests)]
