@@ -92,6 +92,10 @@ class Worker:
         set_kernels(self.model, config, device)
         self.eos_token_ids = tuple(loaded.config.eos_token_ids) or tuple(loaded.tokenizer.eos_token_ids)
         self.sampler = Sampler()
+        # Temperature-only steps race over the vocab shards (kernels/race.py) where that spares
+        # gathering the logits for the driver's sampler: at tp > 1 (decode-heavy tp=2 +4.2% on
+        # 2 × H200); on one GPU it was not measured to help, and the sampler keeps those rows.
+        self._races = ctx.tp_size > 1 and self.model.ops.race_max is not None
         self.num_kv_blocks = self._agree_on_kv_blocks()
         kv_caches = allocate_kv_cache(
             self.model_config, num_layers=self.model.num_layers, num_blocks=self.num_kv_blocks,
@@ -236,7 +240,7 @@ class Worker:
         hidden = self.model(inputs.input_ids, inputs.positions, kv, inputs.meta, hidden_states=hidden_in)
         if self.ctx.is_last_stage:
             logits = self.model.compute_logits(hidden[inputs.sample_indices])
-            if self.model.ops.race_max is not None:  # (compiled here, not in the first request)
+            if self._races:  # (compiled here, not in the first request)
                 plain = [SamplingParams(temperature=1.0)] * num_seqs
                 self.model.race_token_ids(hidden[inputs.sample_indices], *race_inputs(plain, self.device))
             if self.ctx.is_driver:
@@ -280,7 +284,7 @@ class Worker:
         logits = token_ids = None
         if takes_argmax(params, num_done):
             token_ids = self.model.greedy_token_ids(rows)  # [N]
-        elif self.model.ops.race_max is not None and takes_race(params, num_done):
+        elif self._races and takes_race(params, num_done):
             token_ids = self.model.race_token_ids(rows, *race_inputs(params, self.device))  # [N]
         else:
             logits = self.model.compute_logits(rows)  # [N, V]
