@@ -45,6 +45,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from pipeserve.parallel.auth import Guard, RunKey, secure_client
@@ -439,10 +440,45 @@ class WorkerChannel:
         self._sends: queue.SimpleQueue[Callable[[], Message] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._sender_error: Exception | None = None
+        self._watcher: threading.Thread | None = None
+        self._watch_stop = threading.Event()
 
     @property
     def rank(self) -> int:
         return self.hello.rank
+
+    def watch_start_up(self, on_shutdown: Callable[[str], None]) -> None:
+        """Until ``handshake``, read the engine's messages from a thread while this process does
+        something else (loads its model), and call ``on_shutdown(reason)`` on a ``Shutdown``:
+        an engine that stops during start-up sends one, and a subscription made only for the
+        handshake, after a load of minutes, would come too late for it. ``on_shutdown`` is
+        expected to end the process (a worker inside a collective cannot be interrupted);
+        copies of ``Ready`` read meanwhile are dropped (the engine repeats it until every rank
+        has said Hello)."""
+        assert self._watcher is None and self.session is None, "watch_start_up before the handshake, once"
+
+        def watch() -> None:
+            while not self._watch_stop.is_set():
+                if _poll(self._sub, _POLL_SLICE_S) and isinstance(msg := self._read(), Shutdown):
+                    on_shutdown(msg.reason)
+                    return
+
+        self._watcher = threading.Thread(target=watch, name=f"pipeserve-start-up-{self.rank}", daemon=True)
+        self._watcher.start()
+
+    def loaded(self, *, num_kv_blocks: int, busy_s: Callable[[], float] | None = None) -> None:
+        """What this rank's ``Hello`` reports, known once it has loaded: its KV blocks, and
+        (a stage's TP rank 0) its stage's busy seconds so far for the heartbeats."""
+        self.hello = msgspec.structs.replace(self.hello, num_kv_blocks=num_kv_blocks)
+        self._busy_s = busy_s
+
+    def _stop_watching(self) -> None:
+        """The start-up watcher hands the subscription back (sockets may change threads once
+        the one leaving is done with them)."""
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join()
+            self._watcher = None
 
     def _client(self, kind: int, endpoint: str, *, subscribe: bytes | None = None,
                 send_timeout_s: float | None = None) -> zmq.Socket:
@@ -464,6 +500,7 @@ class WorkerChannel:
         ``EngineShutdown`` on a ``Shutdown`` before it, ``LauncherGone`` once the process that
         started this one has exited.
         """
+        self._stop_watching()
         ready = self._wait_ready(time.monotonic() + self.config.handshake_timeout_s)
         if ready.world_size != self.hello.world_size:
             message = (f"engine expects {ready.world_size} ranks, rank {self.rank} was started "
@@ -625,6 +662,7 @@ class WorkerChannel:
         than waited for.
         """
         self._stop.set()
+        self._stop_watching()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
         sender = self._sender

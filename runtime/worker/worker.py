@@ -670,17 +670,18 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
     channel = None
     try:
         torch.manual_seed(config.seed)
-        worker = Worker(config, ctx, device, record=record)
         channel = WorkerChannel(
             transport, rank=rank, world_size=ctx.world_size, stage=ctx.stage, tp_rank=ctx.tp_rank,
             plan_endpoint=endpoints["plan"], result_endpoint=endpoints["result"], key=key,
             # A worker blocked in a collective cannot poll: leave from the heartbeat thread.
             on_engine_lost=lambda: os._exit(EXIT_ENGINE_LOST),
-            num_kv_blocks=worker.num_kv_blocks,
-            # Each stage's TP rank 0 reports the stage's busy time on its heartbeats.
-            busy_s=(lambda: worker.busy.busy_s) if ctx.tp_rank == 0 else None,
             parent_pid=parent_pid,
         )
+        channel.watch_start_up(functools.partial(_stopped_while_loading, rank))  # subscribed while it loads
+        worker = Worker(config, ctx, device, record=record)
+        # Each stage's TP rank 0 reports the stage's busy time on its heartbeats.
+        channel.loaded(num_kv_blocks=worker.num_kv_blocks,
+                       busy_s=(lambda: worker.busy.busy_s) if ctx.tp_rank == 0 else None)
         channel.handshake()
         worker.serve(channel)
     except (EngineShutdown, LauncherGone) as e:  # stopped during start-up: nobody to tell
@@ -700,6 +701,14 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
             write_timelines(out_dir, timelines)
     worker.release_graphs()  # before the communicators go (CudaGraphRunner.release)
     dist.destroy_process_group()
+
+
+def _stopped_while_loading(rank: int, reason: str) -> None:
+    """The engine stopped while this rank loaded: leave now (exit 0, as on a Shutdown during the
+    handshake), whatever collective the loading thread is in; the other ranks leave alike."""
+    print(f"pipeserve worker: rank {rank}: the engine shut down while this rank loaded ({reason})",
+          file=sys.stderr, flush=True)
+    os._exit(0)
 
 
 def _control_key(key_file: str | None, rank: int, control) -> RunKey:

@@ -247,6 +247,70 @@ def test_a_worker_waiting_for_ready_leaves_on_shutdown():
         engine.close()
 
 
+def test_a_worker_watching_start_up_hands_its_subscription_to_the_handshake():
+    """A worker subscribed while it loads (``watch_start_up``), the engine already publishing its
+    Ready: the handshake takes the subscription over and completes, the Hello carries what the
+    worker reported once loaded, and nothing took the Ready copies for a Shutdown."""
+    engine = EngineChannel(fast_config(), world_size=1, key=KEY)
+    channel = WorkerChannel(fast_config(), rank=0, world_size=1, stage=0, tp_rank=0, key=KEY,
+                            plan_endpoint=engine.plan_endpoint, result_endpoint=engine.result_endpoint)
+    stopped, hellos = [], []
+    try:
+        channel.watch_start_up(stopped.append)
+        engine_side = threading.Thread(target=lambda: hellos.append(engine.handshake()), daemon=True)
+        engine_side.start()
+        time.sleep(0.5)  # "loading" while the engine repeats its Ready
+        channel.loaded(num_kv_blocks=77)
+        channel.handshake()
+        engine_side.join(timeout=10)
+        assert hellos and hellos[0][0].num_kv_blocks == 77 and stopped == []
+    finally:
+        channel.close()
+        engine.close()
+
+
+# A worker that subscribes (``watch_start_up``) and then "loads" for ever; the engine's
+# endpoints are its arguments.
+_LOADING_WORKER = """
+import os, sys, time
+from zmq.utils import z85
+from pipeserve.parallel.auth import RunKey
+from pipeserve.parallel.transport import TransportConfig, WorkerChannel
+
+def stopped(reason):
+    print("left: " + reason, flush=True)
+    os._exit(0)
+
+channel = WorkerChannel(TransportConfig(handshake_timeout_s=60.0), rank=0, world_size=1, stage=0, tp_rank=0,
+                        plan_endpoint=sys.argv[1], result_endpoint=sys.argv[2],
+                        key=RunKey.from_secret(z85.encode(bytes(range(32)))))
+channel.watch_start_up(stopped)
+print("loading", flush=True)
+while True:
+    time.sleep(1)
+"""
+
+
+def test_a_worker_still_loading_leaves_on_shutdown():
+    """The engine stops while a worker still loads (under an outer torchrun nothing else would
+    end it): the worker, subscribed before it loaded, leaves on the Shutdown at once (exit 0,
+    naming the reason), not after loading and its handshake's timeout."""
+    engine = EngineChannel(fast_config(), world_size=1, key=KEY)
+    worker = subprocess.Popen([sys.executable, "-c", _LOADING_WORKER, engine.plan_endpoint, engine.result_endpoint],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "loading"
+        started = time.monotonic()
+        while worker.poll() is None and time.monotonic() - started < 10.0:  # until its subscription is live
+            engine.send_plan(Shutdown(reason="stopped while rank 0 loaded"))
+            time.sleep(0.1)
+        assert worker.wait(timeout=5) == 0
+        assert worker.stdout.readline().strip() == "left: stopped while rank 0 loaded"
+    finally:
+        worker.kill()
+        engine.close()
+
+
 def _raised(fn) -> BaseException | None:
     try:
         fn()
