@@ -69,6 +69,7 @@ _PLAN_TOPIC = b"P"
 _HEARTBEAT_TOPIC = b"H"
 _READY_INTERVAL_S = 0.05
 _POLL_SLICE_S = 0.05  # longest a background thread waits before it checks for stop
+_FAILED_WORDS_S = 0.5  # how long the engine waits for a failed worker's WorkerError
 # Messages a slow subscriber may have queued before the engine blocks (never drops) on it;
 # the pipeline keeps at most `pp` plans in flight, so reaching this means a stuck worker.
 _HIGH_WATER_MARK = 10_000
@@ -253,6 +254,10 @@ class EngineChannel:
         next_ready = 0.0
         while len(self.hellos) < self.world_size:
             if failed is not None and (reason := failed()):
+                # A worker that failed while loading says why before it exits: prefer its words.
+                _poll(self._pull, _FAILED_WORDS_S)
+                self._drain()
+                self._take_hellos()  # raises on a WorkerError
                 raise TransportError(f"workers failed during start-up: {reason}")
             now = time.monotonic()
             if now >= deadline:

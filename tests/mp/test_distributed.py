@@ -86,6 +86,25 @@ def test_bad_stage_split_fails_before_workers_start():
         LLM.from_config(config)
 
 
+def test_a_load_that_fails_is_named_by_the_engine(tmp_path):
+    """Workers whose checkpoint does not fit the model fail while loading: the engine's error
+    names a rank and its reason (the workers report it over the control plane, subscribed
+    before they load), rather than only that the worker processes exited."""
+    import json
+
+    from helpers_model import write_tiny_checkpoint, write_word_level_tokenizer
+
+    from pipeserve.parallel.transport import TransportError
+
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", "llama", seed=1)
+    write_word_level_tokenizer(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] += 8
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TransportError, match=r"rank \d failed during start-up: ValueError: load_weights failed"):
+        LLM(str(folder), device="cpu", dtype="float32", tensor_parallel_size=2)
+
+
 def test_pipelined_chunks_and_decodes():
     """pp=2 without token feedback, two micro-batches in flight: a long prompt's next chunk
     enters the very next micro-batch while the previous chunk is still in flight; a decode is
