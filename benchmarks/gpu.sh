@@ -20,7 +20,6 @@
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind;
 #                      a layer's sums in line against overlapped with the other half's GEMMs (tools/tp_overlap);
 #                      the sum kernels per size: PyTorch's one-shot and two-shot against pipeserve's push and its two-shot (tools/sum_kernels)
-#                      a row-parallel GEMM storing the peer's rows into its buffer against the GEMM then the sum (tools/gemm_scatter)
 #   structured 1 GPU   plain, penalties, a quarter under a JSON schema; xgrammar against outlines-core per token
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
@@ -285,7 +284,6 @@ tpsteps() {  # ~5 min (~8 on 4 GPUs): tools/tp_steps at each tp (start-up and gr
   [ -f "$ROOT/tools/tp_overlap.py" ] && run tpsteps-overlap-tp2 120 0,1 torchrun --nproc-per-node 2 -m tools.tp_overlap --out "$DIR/overlap-tp2.json"
   grep -q -- "--sums" "$ROOT/tools/tp_overlap.py" && run tpsteps-overlap-pull-tp2 120 0,1 torchrun --nproc-per-node 2 -m tools.tp_overlap --sums pull --out "$DIR/overlap-pull-tp2.json"
   [ -f "$ROOT/tools/sum_kernels.py" ] && run tpsteps-sumkernels-tp2 180 0,1 torchrun --nproc-per-node 2 -m tools.sum_kernels --out "$DIR/sumkernels-tp2.json"
-  [ -f "$ROOT/tools/gemm_scatter.py" ] && run tpsteps-gemmscatter-tp2 120 0,1 torchrun --nproc-per-node 2 -m tools.gemm_scatter --rows 512 1024 2048 --out "$DIR/gemmscatter-tp2.json"
   [ "$NGPU" -ge 4 ] || return 0
   run tpsteps-tp4 200 0,1,2,3 torchrun --nproc-per-node 4 -m tools.tp_steps $TOK_TOOL --profile --out "$DIR/tp4.json"
   [ -f "$ROOT/tools/tp_overlap.py" ] && run tpsteps-overlap-tp4 120 0,1,2,3 torchrun --nproc-per-node 4 -m tools.tp_overlap --out "$DIR/overlap-tp4.json"

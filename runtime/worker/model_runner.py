@@ -49,15 +49,16 @@ class ModelRunner:
     def forward_logits(self, step: StepInputs) -> torch.Tensor:
         """Logits [N, V] (float32) of the last token of every sequence that samples (a model
         that holds every layer)."""
-        inputs = self.prepare(step)
-        hidden = self.forward(inputs)
-        return self.model.compute_logits(hidden[inputs.sample_indices])
+        return self.model.compute_logits(self._sampled_hidden(step))
 
     @torch.inference_mode()
     def forward_greedy(self, step: StepInputs) -> torch.Tensor:
         """[N] int64: the argmax of ``forward_logits``, taken as a worker takes it for a step whose
         rows all take their argmax (``LlamaForCausalLM.greedy_token_ids``: no full-vocabulary
         logits gathered)."""
+        return self.model.greedy_token_ids(self._sampled_hidden(step))
+
+    def _sampled_hidden(self, step: StepInputs) -> torch.Tensor:
+        """The forward's output rows [N, H] of the sequences that sample."""
         inputs = self.prepare(step)
-        hidden = self.forward(inputs)
-        return self.model.greedy_token_ids(hidden[inputs.sample_indices])
+        return self.forward(inputs)[inputs.sample_indices]
