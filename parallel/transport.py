@@ -400,8 +400,8 @@ class WorkerChannel:
     ``on_engine_lost`` (optional) is called once, from the heartbeat thread, when the engine
     has been silent for ``liveness_timeout_s``; a worker blocked in a collective can use it to
     exit (e.g. ``os._exit``). ``engine_alive()`` reports the same condition to a polling loop.
-    ``busy_s`` (optional; a stage's TP rank 0) is called from the heartbeat thread for the
-    stage's busy seconds so far, which every heartbeat then carries. ``parent_pid``: the process
+    What its ``Hello`` and heartbeats report once it has loaded comes with ``loaded``.
+    ``parent_pid``: the process
     that started this one, as it was when this process began (default: the parent now); once
     this process's parent is another, the handshake gives up (``LauncherGone``).
     """
@@ -418,22 +418,19 @@ class WorkerChannel:
         result_endpoint: str,
         key: RunKey,
         on_engine_lost: Callable[[], None] | None = None,
-        num_kv_blocks: int = 0,
-        busy_s: Callable[[], float] | None = None,
         parent_pid: int | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world_size {world_size}")
         self.config = config
         self.hello = Hello(rank=rank, world_size=world_size, stage=stage, tp_rank=tp_rank,
-                           pid=os.getpid(), hostname=socket.gethostname(),
-                           num_kv_blocks=num_kv_blocks)
+                           pid=os.getpid(), hostname=socket.gethostname())
         self.plan_endpoint = plan_endpoint
         self.result_endpoint = result_endpoint
         self.key = key
         self.session: str | None = None
         self._on_engine_lost = on_engine_lost
-        self._busy_s = busy_s
+        self._busy_s: Callable[[], float] | None = None
         # torchrun or the engine; another parent later: it has exited
         self._parent = os.getppid() if parent_pid is None else parent_pid
         self._ctx = zmq.Context()
@@ -472,8 +469,9 @@ class WorkerChannel:
         self._watcher.start()
 
     def loaded(self, *, num_kv_blocks: int, busy_s: Callable[[], float] | None = None) -> None:
-        """What this rank's ``Hello`` reports, known once it has loaded: its KV blocks, and
-        (a stage's TP rank 0) its stage's busy seconds so far for the heartbeats."""
+        """What this rank reports, known once it has loaded: its KV blocks (in its ``Hello``)
+        and, a stage's TP rank 0, ``busy_s``, called from the heartbeat thread for the stage's
+        busy seconds so far, which every heartbeat then carries. Before ``handshake``."""
         self.hello = msgspec.structs.replace(self.hello, num_kv_blocks=num_kv_blocks)
         self._busy_s = busy_s
 

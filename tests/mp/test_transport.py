@@ -439,9 +439,10 @@ def test_heartbeats_carry_stage_busy_time():
     engine = EngineChannel(fast_config(), world_size=2, key=KEY)
     busy = [0.0]
     workers = [WorkerChannel(fast_config(), rank=rank, world_size=2, stage=rank, tp_rank=0,
-                             plan_endpoint=engine.plan_endpoint, result_endpoint=engine.result_endpoint,
-                             busy_s=(lambda: busy[0]) if rank == 1 else None, key=KEY)
+                             plan_endpoint=engine.plan_endpoint, result_endpoint=engine.result_endpoint, key=KEY)
                for rank in range(2)]
+    for rank, w in enumerate(workers):
+        w.loaded(num_kv_blocks=0, busy_s=(lambda: busy[0]) if rank == 1 else None)
     threads = [threading.Thread(target=w.handshake, daemon=True) for w in workers]
     try:
         for t in threads:
