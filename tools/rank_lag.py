@@ -10,11 +10,15 @@ over the steps every rank of its stage ran:
 
 - ``compute_ms``: the forward span (it includes any wait inside it, e.g. a sum whose peers are late);
 - ``gap_ms``: the device idle before the step (start minus the previous step's end);
+  ``gap_total_s`` and ``gap_max_ms``: all of them summed, and the longest (a median hides a
+  few long stops);
 - ``late_ms``: how long after the stage's first rank it started the step;
 - ``host_ahead_ms``: start minus the host's "queued" instant: positive, the host had queued the
   step before the device reached it; negative, the device started while the host was still
   launching (``host_bound`` is the fraction of such steps). On a CPU the host computes the
-  step itself, so every step reads as host-bound there.
+  step itself, so every step reads as host-bound there;
+- ``full_gcs`` and ``full_gc_ms``: the cycle collector's full (generation 2) collections in the
+  rank's process while it served, and their summed time (``runtime/heap.py``).
 
 Rank 0 late by the same amount every step while the others' compute spans exceed its own by
 it reads as the others waiting for rank 0 inside their first collective.
@@ -55,14 +59,17 @@ def rank_lags(timelines: list[dict]) -> list[dict]:
             ordered = sorted(own.items(), key=lambda kv: kv[1][0])
             gaps = [b[0] - a[1] for (_, a), (_, b) in zip(ordered, ordered[1:])]
             ahead = [own[step][0] - own[step][2] for step in common]
+            full = t.get("host", {}).get("gc", {}).get("gen2", {})
             rows.append({
                 "rank": t["rank"], "stage": stage, "tp_rank": t.get("tp_rank"), "steps": len(common),
                 "compute_ms": _median_ms(own[step][1] - own[step][0] for step in common),
                 "gap_ms": _median_ms(gaps),
                 "gap_total_s": round(sum(g for g in gaps if g > 0), 3),
+                "gap_max_ms": round(max(gaps) * 1e3, 3) if gaps else None,
                 "late_ms": _median_ms(own[step][0] - first[step] for step in common),
                 "host_ahead_ms": _median_ms(ahead),
                 "host_bound": round(sum(a < 0 for a in ahead) / len(ahead), 3) if ahead else None,
+                "full_gcs": full.get("n"), "full_gc_ms": full.get("total_ms"),
             })
     return rows
 
@@ -73,12 +80,13 @@ def _median_ms(seconds) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["rank", "stage", "steps", "compute ms", "gap ms", "gaps s", "late ms", "host ahead ms", "host-bound"]
+    head = ["rank", "stage", "steps", "compute ms", "gap ms", "gaps s", "longest gap ms", "late ms", "host ahead ms",
+            "host-bound", "full GCs", "full GC ms"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         lines.append("| " + " | ".join(str(x) for x in (
-            r["rank"], r["stage"], r["steps"], r["compute_ms"], r["gap_ms"], r["gap_total_s"], r["late_ms"],
-            r["host_ahead_ms"], r["host_bound"])) + " |")
+            r["rank"], r["stage"], r["steps"], r["compute_ms"], r["gap_ms"], r["gap_total_s"], r["gap_max_ms"],
+            r["late_ms"], r["host_ahead_ms"], r["host_bound"], r["full_gcs"], r["full_gc_ms"])) + " |")
     return "\n".join(lines)
 
 

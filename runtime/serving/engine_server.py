@@ -49,6 +49,7 @@ from pipeserve.runtime.config import engine_config_from_dict
 from pipeserve.runtime.engine.llm_engine import LLMEngine
 from pipeserve.runtime.engine.executor import WorkerFailure
 from pipeserve.runtime.engine.outputs import RequestOutput, RequestOutputKind
+from pipeserve.runtime.heap import freeze_start_up_heap
 from pipeserve.scheduler.sampling_params import SamplingParams
 
 
@@ -266,6 +267,7 @@ def main() -> int:
     # Ctrl-C in a terminal reaches the frontend, which drains and then shuts us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = LLMEngine(config)
+    freeze_start_up_heap()  # this process serves until it exits (one device's worker included)
     interval = float(os.environ.get("PIPESERVE_STATS_INTERVAL_S", "0.5"))
     server = EngineServer(engine, requests, updates, stats_interval_s=interval, guard=guard)
     signal.signal(signal.SIGTERM, server.drain)

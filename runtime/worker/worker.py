@@ -40,6 +40,7 @@ from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.parallel.transport import EngineShutdown, LauncherGone, TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import PromptLogprobs, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime import progress
+from pipeserve.runtime.heap import CollectionPauses, freeze_start_up_heap
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
 from pipeserve.runtime.worker.batch import PlanInputs, StepInputs, to_tensors
@@ -401,6 +402,8 @@ class Worker:
         for end in (self.feedback_sender, self.feedback_receiver):
             if end is not None:
                 end.close()
+        if self.busy.collections is not None:
+            self.busy.collections.close()
         if os.environ.get("PIPESERVE_STAGE_STATS"):
             stats = dict(rank=self.ctx.rank, stage=self.ctx.stage, **self.busy.summary())
             print("STAGE_STATS " + json.dumps(stats), flush=True)
@@ -526,6 +529,7 @@ class BusyTimer:
         self._start = None
         self._recv_start = None
         self._ref = None  # CUDA record: (event, host time) of one synchronized instant
+        self.collections = CollectionPauses() if record else None  # record: the cycle collector's pauses
 
     def _mark(self):
         if self.cuda:
@@ -592,7 +596,8 @@ class BusyTimer:
         """Record mode: the host's median milliseconds from a step's begin to its end call
         (launching its forward, and on the driver its sampling) for eager and CUDA graph
         steps; on CUDA also the caching allocator's device calls and retries (a retry frees
-        cached blocks, which synchronizes the device: the host then waits for earlier work)."""
+        cached blocks, which synchronizes the device: the host then waits for earlier work);
+        and the cycle collector's collections while the rank served (``heap.CollectionPauses``)."""
         out: dict = {}
         for name, graph in (("eager", False), ("graph", True)):
             ms = [(q - t) * 1e3 for _, _, g, t, q in self.steps if g == graph]
@@ -602,6 +607,8 @@ class BusyTimer:
             stats = torch.cuda.memory_stats()
             out["allocator"] = {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc",
                                                               "num_device_free", "num_sync_all_streams")}
+        if self.collections is not None:
+            out["gc"] = self.collections.summary()
         return out
 
     def summary(self) -> dict:
@@ -679,6 +686,7 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
         )
         channel.watch_start_up(functools.partial(_stopped_while_loading, rank))  # subscribed while it loads
         worker = Worker(config, ctx, device, record=record)
+        freeze_start_up_heap()  # the loaded rank's objects: no full collection walks them again
         # Each stage's TP rank 0 reports the stage's busy time on its heartbeats.
         channel.loaded(num_kv_blocks=worker.num_kv_blocks,
                        busy_s=(lambda: worker.busy.busy_s) if ctx.tp_rank == 0 else None)

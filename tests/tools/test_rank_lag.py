@@ -44,7 +44,8 @@ def test_stages_compare_only_their_own_ranks_and_common_steps():
 
 
 def test_a_real_tp2_run_on_cpu(tmp_path, monkeypatch):
-    """The workers' own timelines (torchrun, gloo): both ranks' rows, every step compared."""
+    """The workers' own timelines (torchrun, gloo): both ranks' rows, every step compared, and
+    their processes' collections."""
     from pipeserve import LLM, SamplingParams
 
     monkeypatch.setenv("PIPESERVE_STAGE_STATS_DIR", str(tmp_path))
@@ -54,9 +55,15 @@ def test_a_real_tp2_run_on_cpu(tmp_path, monkeypatch):
     finally:
         llm.close()
     assert sorted(os.listdir(tmp_path)) == ["stage_rank0.json", "stage_rank1.json"]
-    rows = rank_lag.rank_lags(rank_lag.load_timelines(str(tmp_path)))
+    timelines = rank_lag.load_timelines(str(tmp_path))
+    rows = rank_lag.rank_lags(timelines)
     assert [r["rank"] for r in rows] == [0, 1] and rows[0]["steps"] == rows[1]["steps"] >= 6
-    assert all(r["compute_ms"] > 0 and r["late_ms"] >= 0 for r in rows)
+    assert all(r["compute_ms"] > 0 and r["late_ms"] >= 0 and r["gap_max_ms"] >= r["gap_ms"] for r in rows)
+    # Each worker froze its loaded heap (torch's and the model's objects) before it served, and
+    # counted its collections from its start-up's own full one on.
+    for t, r in zip(timelines, rows):
+        assert t["host"]["gc"]["frozen"] > 100_000
+        assert r["full_gcs"] >= 1 and r["full_gc_ms"] >= 0
     rank_lag.main([str(tmp_path), "--out", str(tmp_path / "rows.json")])
     with open(tmp_path / "rows.json") as f:
         assert json.load(f) == rows

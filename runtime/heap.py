@@ -1,0 +1,67 @@
+"""A serving process's Python heap, kept out of the steps' way.
+
+A full collection (generation 2) of Python's cycle collector walks every object the interpreter
+tracks, and after start-up a worker tracks a great many: torch's, Triton's and the model's
+modules, the compiled kernels, the captured graphs. The imports alone leave about 190,000, which
+one full collection takes 70–90 ms to walk on a two-core CI machine. The workers of a tp=2 run on
+2 × H200 both stopped for 100–150 ms at the same steps, four or five times a run, before they
+began waiting for their next plan: 0.46 s of the uniform workload's 7.6 s, 0.58 s of the
+decode-heavy one's 16.5 s, spaced by step counts (every ~420 steps), as collections triggered by
+allocations are (BENCHMARKS.md, "Where a tp=2 run stops").
+
+``freeze_start_up_heap`` collects once and moves every object that survives into the
+interpreter's permanent generation (``gc.freeze``): later collections walk only what the
+serving loop made since. The processes pipeserve owns call it once they are ready to serve
+(each worker after it loaded, the engine server after its engine started); a library user's
+process (``LLM(...)``) is left as it is, since frozen objects are never collected by the
+cycle collector again.
+
+``CollectionPauses`` counts the collections of each generation and times them, for the
+benchmarks' stage timelines.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+
+def freeze_start_up_heap() -> int:
+    """Collect, then freeze every surviving object; returns how many are frozen in all."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+class CollectionPauses:
+    """The cycle collector's collections in this process from construction until ``close``, per
+    generation: how many, their summed and their longest duration."""
+
+    def __init__(self) -> None:
+        self._by_generation = {g: [0, 0.0, 0.0] for g in range(3)}  # count, total s, longest s
+        self._began: float | None = None
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            took = time.perf_counter() - self._began
+            self._began = None
+            entry = self._by_generation[info["generation"]]
+            entry[0] += 1
+            entry[1] += took
+            entry[2] = max(entry[2], took)
+
+    def summary(self) -> dict:
+        """``frozen``: objects in the permanent generation; ``tracked``: those the collector walks
+        now (a count that grows with the steps served is objects kept, or cycles made, per step);
+        per generation ``n``, ``total_ms`` and ``max_ms``."""
+        out: dict = {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+        for g, (n, total, longest) in self._by_generation.items():
+            out[f"gen{g}"] = {"n": n, "total_ms": round(total * 1e3, 3), "max_ms": round(longest * 1e3, 3)}
+        return out
+
+    def close(self) -> None:
+        if self._on_collection in gc.callbacks:
+            gc.callbacks.remove(self._on_collection)
