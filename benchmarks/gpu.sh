@@ -8,8 +8,8 @@
 #   sharegpt  1 GPU    1,000 ShareGPT requests, pipeserve against FastGen
 #   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
 #   scaling4  4 GPUs   one GPU against tp=4, pp=4 and tp=2 × pp=2 on the same machine (WORKLOADS= to pick)
-#   big4      4 GPUs   the Llama-3-70B shape: DeepSpeed-FastGen tp=4 against pipeserve tp=4, tp=2 × pp=2, pp=4
-#                      (LAYOUTS= and WORKLOADS= to pick; FastGen's wheels in .whl/)
+#   big4      4 GPUs   the Llama-3-70B shape: DeepSpeed-FastGen tp=4 (768- and 2,048-token forwards) against
+#                      pipeserve tp=4, tp=2 × pp=2, pp=4 (LAYOUTS= and WORKLOADS= to pick; FastGen's wheels in .whl/)
 #   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
 #   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
@@ -147,12 +147,12 @@ scaling4() {  # ~4-5 min per workload: four runs of about a minute (start-up and
   done
 }
 
-big4() {  # FastGen ~7 min (141 GB of weights written once, its kernels built ~140 s); pipeserve ~1.5 min a layout and workload
+big4() {  # FastGen ~7 min a budget (141 GB of weights written once, its kernels built ~140 s once); pipeserve ~1.5 min a layout and workload
   need_gpus 4 || return 0
   local w l dir
   local workloads=${WORKLOADS:-peers decode-heavy}
-  for l in ${LAYOUTS:-fastgen-tp4 tp4 tp2pp2 pp4}; do
-    if [ "$l" = fastgen-tp4 ]; then  # the weights FastGen reads: in memory when /dev/shm has room
+  for l in ${LAYOUTS:-fastgen-tp4 fastgen-tp4-2048 tp4 tp2pp2 pp4}; do
+    if [[ "$l" == fastgen-tp4* ]]; then  # the weights FastGen reads: in memory when /dev/shm has room
       dir=/dev/shm/llama3-70b   # (an earlier invocation's copy is reused)
       if [ -z "$DRY" ] && [ ! -f "$dir/model.safetensors.index.json" ]; then
         local room; room=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
@@ -161,8 +161,10 @@ big4() {  # FastGen ~7 min (141 GB of weights written once, its kernels built ~1
       [ -f "$dir/model.safetensors.index.json" ] \
         || run big4-write 400 "" python3 "$REPO/tools/fastgen_tp.py" write "$dir" --shape llama3-70b $TOK_TOOL \
         || continue
-      run big4-fastgen-tp4 590 0,1,2,3 python3 -m deepspeed.launcher.runner --num_gpus 4 "$REPO/tools/fastgen_tp.py" \
-        run "$dir" --tp 4 --workloads "${workloads// /,}"
+      local budget=""   # fastgen-tp4: MII's default 768-token forwards; fastgen-tp4-2048: pipeserve's budget
+      [ "$l" = fastgen-tp4-2048 ] && budget="--max-ragged-batch-size 2048"
+      run "big4-$l" 590 0,1,2,3 python3 -m deepspeed.launcher.runner --num_gpus 4 "$REPO/tools/fastgen_tp.py" \
+        run "$dir" --tp 4 --workloads "${workloads// /,}" $budget
       continue
     fi
     local flags=${l/tp4/--tp 4}; flags=${flags/tp2pp2/--tp 2 --pp 2}; flags=${flags/pp4/--pp 4}

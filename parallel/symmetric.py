@@ -55,8 +55,9 @@ def uses_push_two_shot(world_size: int) -> bool:
     """Whether sums above ``push_max_bytes`` (up to the buffer) go through ``kernels/push_sum``'s
     two-shot. Two ranks (the same tool and cards): 35.1 µs at 8 MB against 37.4 for the push and
     40.6 for PyTorch's two-shot, 50.3 at 12 MB against 55.3 / 56.5, 65.2 at 16 MB against
-    78.7 / 74.5 (the forward's largest sum, a 2,048-token step of the 8B shape). Four ranks: not
-    yet timed; PyTorch's kernels."""
+    78.7 / 74.5 (the forward's largest sum, a 2,048-token step of the 8B shape). Four ranks (4 ×
+    H200): slower than PyTorch's two-shot at every size from 1 MB (16 MB: 105.0 against 99.1;
+    32 MB: 213.5 against 185.5), and whole tp=4 runs with it gained nothing; PyTorch's kernels."""
     return world_size == 2
 
 

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 -m tools.sum_kernels [--rows 16 64 128 256 512 1024 2048] [--grids 64 132]
 
 Each kernel timed inside a CUDA graph of 64 back-to-back sums, as a forward replays them:
-PyTorch's symmetric-memory one-shot (every peer's rows read whole) and two-shot (a slice
+NCCL's all-reduce (what sums larger than the symmetric buffer take), PyTorch's symmetric-memory one-shot (every peer's rows read whole) and two-shot (a slice
 reduced per rank, then gathered), and pipeserve's push kernel and its two-shot
 (``kernels/push_sum.py``: the rows, or a slice of them per peer, stored into the peers'
 buffers), each with one program per SM and with each of ``--grids``. Every kernel is first
@@ -45,7 +45,12 @@ def main(argv=None) -> dict:
     max_numel = max(args.rows) * HIDDEN
     reduce = SymmetricAllReduce.create(group, max_numel=max_numel, dtype=torch.bfloat16, device=device)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    kernels = {"one-shot": reduce.one_shot, "two-shot": reduce.two_shot}
+    def nccl(x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    kernels = {"NCCL": nccl, "one-shot": reduce.one_shot, "two-shot": reduce.two_shot}
     for grid in [sms] + [g for g in args.grids if g != sms]:
         kernels[f"push, {grid} programs"] = _PushState(group, numel=max_numel, dtype=torch.bfloat16, device=device,
                                                         programs=grid)
