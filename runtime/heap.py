@@ -3,18 +3,19 @@
 A full collection (generation 2) of Python's cycle collector walks every object the interpreter
 tracks, and after start-up a worker tracks a great many: torch's, Triton's and the model's
 modules, the compiled kernels, the captured graphs. The imports alone leave about 190,000, which
-one full collection takes 70–90 ms to walk on a two-core CI machine. The workers of a tp=2 run on
-2 × H200 both stopped for 100–150 ms at the same steps, four or five times a run, before they
-began waiting for their next plan: 0.46 s of the uniform workload's 7.6 s, 0.58 s of the
-decode-heavy one's 16.5 s, spaced by step counts (every ~420 steps), as collections triggered by
-allocations are (BENCHMARKS.md, "Where a tp=2 run stops").
+one full collection takes 70–90 ms to walk on a two-core machine. The workers of a tp=2 run on
+2 × H200 both stopped for 100–150 ms at the same steps, four times a run, before they began
+waiting for their next plan: 0.46 s of the uniform workload's 7.6 s, 0.58 s of the decode-heavy
+one's 16.5 s, whose stops came every ~420 steps, regular in steps rather than in time, as
+collections triggered by allocations are (BENCHMARKS.md, "Where a tp=2 run stops").
 
 ``freeze_start_up_heap`` collects once and moves every object that survives into the
 interpreter's permanent generation (``gc.freeze``): later collections walk only what the
 serving loop made since. The processes pipeserve owns call it once they are ready to serve
 (each worker after it loaded, the engine server after its engine started); a library user's
 process (``LLM(...)``) is left as it is, since frozen objects are never collected by the
-cycle collector again.
+cycle collector again, and a worker that returns into one (an SPMD rank under an outer
+torchrun) thaws the heap first (``thaw_heap``).
 
 ``CollectionPauses`` counts the collections of each generation and times them, for the
 benchmarks' stage timelines.
@@ -33,14 +34,25 @@ def freeze_start_up_heap() -> int:
     return gc.get_freeze_count()
 
 
+def thaw_heap() -> None:
+    """Undo ``freeze_start_up_heap``: the frozen objects are the collector's again (a cycle among
+    them, say a dropped model's, can then be collected)."""
+    gc.unfreeze()
+
+
 class CollectionPauses:
-    """The cycle collector's collections in this process from construction until ``close``, per
-    generation: how many, their summed and their longest duration."""
+    """The cycle collector's collections in this process from construction (or the last
+    ``restart``) until ``close``, per generation: how many, their summed and their longest
+    duration."""
 
     def __init__(self) -> None:
-        self._by_generation = {g: [0, 0.0, 0.0] for g in range(3)}  # count, total s, longest s
+        self.restart()
         self._began: float | None = None
         gc.callbacks.append(self._on_collection)
+
+    def restart(self) -> None:
+        """Forget the collections so far (a worker's start-up, its own freeze included)."""
+        self._by_generation = {g: [0, 0.0, 0.0] for g in range(3)}  # count, total s, longest s
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":

@@ -18,7 +18,7 @@ over the steps every rank of its stage ran:
   launching (``host_bound`` is the fraction of such steps). On a CPU the host computes the
   step itself, so every step reads as host-bound there;
 - ``full_gcs`` and ``full_gc_ms``: the cycle collector's full (generation 2) collections in the
-  rank's process while it served, and their summed time (``runtime/heap.py``).
+  rank's process from its first step on, and their summed time (``runtime/heap.py``).
 
 Rank 0 late by the same amount every step while the others' compute spans exceed its own by
 it reads as the others waiting for rank 0 inside their first collective.

@@ -40,7 +40,7 @@ from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.parallel.transport import EngineShutdown, LauncherGone, TransportConfig, WorkerChannel
 from pipeserve.parallel.wire import PromptLogprobs, Shutdown, StepPlan, StepResult, WorkerError
 from pipeserve.runtime import progress
-from pipeserve.runtime.heap import CollectionPauses, freeze_start_up_heap
+from pipeserve.runtime.heap import CollectionPauses, freeze_start_up_heap, thaw_heap
 from pipeserve.runtime.config import EngineConfig, engine_config_from_dict
 from pipeserve.runtime.model.loader import LoadedModel, load_model, read_config_and_tokenizer, set_kernels
 from pipeserve.runtime.worker.batch import PlanInputs, StepInputs, to_tensors
@@ -396,8 +396,8 @@ class Worker:
         return self._generators[seq.request_id]
 
     def shutdown(self) -> None:
-        """Finishes what is in flight and closes the feedback channel; with
-        ``PIPESERVE_STAGE_STATS`` prints this rank's busy summary (one ``STAGE_STATS`` line)."""
+        """Finishes what is in flight, closes the feedback channel and stops counting collections;
+        with ``PIPESERVE_STAGE_STATS`` prints this rank's busy summary (one ``STAGE_STATS`` line)."""
         self.wait_sends()
         for end in (self.feedback_sender, self.feedback_receiver):
             if end is not None:
@@ -529,7 +529,8 @@ class BusyTimer:
         self._start = None
         self._recv_start = None
         self._ref = None  # CUDA record: (event, host time) of one synchronized instant
-        self.collections = CollectionPauses() if record else None  # record: the cycle collector's pauses
+        # record: the cycle collector's collections from the first step on
+        self.collections = CollectionPauses() if record else None
 
     def _mark(self):
         if self.cuda:
@@ -551,6 +552,8 @@ class BusyTimer:
 
     def begin(self, *, graph: bool = False) -> None:
         """``graph``: the step replays a CUDA graph (else its kernels launch one by one)."""
+        if self.num_steps == 0 and self.collections is not None:
+            self.collections.restart()  # serving starts: start-up's collections are not its own
         self._start = self._mark()
         if self.record:
             self._launch = (graph, time.monotonic())
@@ -597,7 +600,7 @@ class BusyTimer:
         (launching its forward, and on the driver its sampling) for eager and CUDA graph
         steps; on CUDA also the caching allocator's device calls and retries (a retry frees
         cached blocks, which synchronizes the device: the host then waits for earlier work);
-        and the cycle collector's collections while the rank served (``heap.CollectionPauses``)."""
+        and the cycle collector's collections from the first step on (``heap.CollectionPauses``)."""
         out: dict = {}
         for name, graph in (("eager", False), ("graph", True)):
             ms = [(q - t) * 1e3 for _, _, g, t, q in self.steps if g == graph]
@@ -709,6 +712,7 @@ def run_worker(config: EngineConfig, *, record: bool | None = None, start_timeou
             write_timelines(out_dir, timelines)
     worker.release_graphs()  # before the communicators go (CudaGraphRunner.release)
     dist.destroy_process_group()
+    thaw_heap()  # an SPMD rank returns into its user's program
 
 
 def _stopped_while_loading(rank: int, reason: str) -> None:

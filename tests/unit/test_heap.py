@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
-from pipeserve.runtime.heap import CollectionPauses, freeze_start_up_heap
+from pipeserve.runtime.heap import CollectionPauses, freeze_start_up_heap, thaw_heap
 
 
 def _cycles(n: int) -> None:
@@ -16,6 +17,9 @@ def _cycles(n: int) -> None:
 def test_collections_are_counted_per_generation_until_closed():
     pauses = CollectionPauses()
     try:
+        gc.collect(2)
+        pauses.restart()
+        assert pauses.summary()["gen2"]["n"] == 0
         _cycles(10)
         gc.collect(2)
         gc.collect(0)
@@ -31,6 +35,31 @@ def test_collections_are_counted_per_generation_until_closed():
     assert pauses.summary()["gen2"]["n"] == before  # closed: no longer counting
 
 
+class _Node:
+    pass
+
+
+def test_freezing_collects_the_garbage_first_and_thawing_returns_the_rest():
+    # A cycle dropped before the freeze is collected, not frozen for good; one made after is
+    # the collector's as usual; after the thaw the frozen objects are walked again.
+    try:
+        dropped = _Node()
+        dropped.me = dropped
+        gone = weakref.ref(dropped)
+        del dropped
+        frozen = freeze_start_up_heap()
+        assert gone() is None and frozen > 0
+        later = _Node()
+        later.me = later
+        made_later = weakref.ref(later)
+        del later
+        gc.collect()
+        assert made_later() is None and gc.get_freeze_count() == frozen
+    finally:
+        thaw_heap()
+    assert gc.get_freeze_count() == 0
+
+
 def test_freezing_leaves_full_collections_only_the_new_objects():
     # (this test process's own heap: unfrozen afterwards, so later tests' cycles are collected)
     try:
@@ -41,5 +70,5 @@ def test_freezing_leaves_full_collections_only_the_new_objects():
         assert tracked < frozen  # a full collection no longer walks the frozen ones
         del kept
     finally:
-        gc.unfreeze()
+        thaw_heap()
     assert gc.get_freeze_count() == 0
