@@ -11,7 +11,7 @@
 #   big4      4 GPUs   the Llama-3-70B shape: DeepSpeed-FastGen tp=4 (768- and 2,048-token forwards) against
 #                      pipeserve tp=4, tp=2 × pp=2, pp=4 (LAYOUTS= and WORKLOADS= to pick; FastGen's wheels in .whl/)
 #   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
-#   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one
+#   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one (TP=N: at tp=N)
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
@@ -184,11 +184,14 @@ async() {  # ~4 min: one GPU and tp=2 with token feedback off; scaling's runs ar
 }
 
 coldstart() {  # ~3 min: the first work after start-up, with an empty compile cache and then with the one it left
-  local cache=$BASE/coldstart-triton-cache
+  # (TP=N: at tp=N on the first N GPUs; every rank's step timeline beside each run's log)
+  local cache=$BASE/coldstart-triton-cache tp=${TP:-1}
+  need_gpus "$tp" || return 0
   rm -rf "$cache"
   for c in cold warm; do
-    (export TRITON_CACHE_DIR=$cache
-     run "coldstart-$c" 200 0 python3 "$REPO/benchmarks/throughput.py" --workload peers $TOK_TOOL --no-warmup --rounds 3)
+    (export TRITON_CACHE_DIR=$cache PIPESERVE_STAGE_STATS_DIR=$DIR/coldstart-$c-ranks
+     run "coldstart-$c" 200 "$(seq -s, 0 $((tp - 1)))" python3 "$REPO/benchmarks/throughput.py" --workload peers \
+       $TOK_TOOL --no-warmup --rounds 3 --tp "$tp")
   done
 }
 
