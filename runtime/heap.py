@@ -51,8 +51,10 @@ class CollectionPauses:
         gc.callbacks.append(self._on_collection)
 
     def restart(self) -> None:
-        """Forget the collections so far (a worker's start-up, its own freeze included)."""
+        """Forget the collections so far (a worker's start-up, its own freeze included), and note
+        how many objects the collector walks now."""
         self._by_generation = {g: [0, 0.0, 0.0] for g in range(3)}  # count, total s, longest s
+        self._tracked_at_start = len(gc.get_objects())
 
     def _on_collection(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -66,10 +68,12 @@ class CollectionPauses:
             entry[2] = max(entry[2], took)
 
     def summary(self) -> dict:
-        """``frozen``: objects in the permanent generation; ``tracked``: those the collector walks
-        now (a count that grows with the steps served is objects kept, or cycles made, per step);
-        per generation ``n``, ``total_ms`` and ``max_ms``."""
-        out: dict = {"frozen": gc.get_freeze_count(), "tracked": len(gc.get_objects())}
+        """``frozen``: objects in the permanent generation; ``tracked_at_start`` and ``tracked``:
+        those the collector walked at the (re)start and walks now (more now, by a count that grows
+        with the steps served, is objects kept, or cycles left, per step); per generation ``n``,
+        ``total_ms`` and ``max_ms``."""
+        out: dict = {"frozen": gc.get_freeze_count(), "tracked_at_start": self._tracked_at_start,
+                     "tracked": len(gc.get_objects())}
         for g, (n, total, longest) in self._by_generation.items():
             out[f"gen{g}"] = {"n": n, "total_ms": round(total * 1e3, 3), "max_ms": round(longest * 1e3, 3)}
         return out

@@ -63,7 +63,7 @@ def test_a_real_tp2_run_on_cpu(tmp_path, monkeypatch):
     # counted its collections from its first step on (its start-up's own full one not among them).
     for t, r in zip(timelines, rows):
         assert t["host"]["gc"]["frozen"] > 100_000 and t["host"]["gc"]["tracked"] > 0
-        assert set(t["host"]["gc"]) == {"frozen", "tracked", "gen0", "gen1", "gen2"}
+        assert set(t["host"]["gc"]) == {"frozen", "tracked_at_start", "tracked", "gen0", "gen1", "gen2"}
         assert isinstance(r["full_gcs"], int) and r["full_gc_ms"] >= 0
     rank_lag.main([str(tmp_path), "--out", str(tmp_path / "rows.json")])
     with open(tmp_path / "rows.json") as f:
