@@ -11,7 +11,8 @@ over the steps every rank of its stage ran:
 - ``compute_ms``: the forward span (it includes any wait inside it, e.g. a sum whose peers are late);
 - ``gap_ms``: the device idle before the step (start minus the previous step's end);
   ``gap_total_s`` and ``gap_max_ms``: all of them summed, and the longest (a median hides a
-  few long stops);
+  few long stops); ``longest_gaps``: the five longest, as [step, ms] (stops that recur every
+  so many steps, on every rank at once, are the rank's own process held);
 - ``late_ms``: how long after the stage's first rank it started the step;
 - ``host_ahead_ms``: start minus the host's "queued" instant: positive, the host had queued the
   step before the device reached it; negative, the device started while the host was still
@@ -58,6 +59,7 @@ def rank_lags(timelines: list[dict]) -> list[dict]:
         for t, own in zip(ranks, spans):
             ordered = sorted(own.items(), key=lambda kv: kv[1][0])
             gaps = [b[0] - a[1] for (_, a), (_, b) in zip(ordered, ordered[1:])]
+            longest = sorted(zip(gaps, (step for step, _ in ordered[1:])), reverse=True)[:LONGEST]
             ahead = [own[step][0] - own[step][2] for step in common]
             full = t.get("host", {}).get("gc", {}).get("gen2", {})
             rows.append({
@@ -66,12 +68,17 @@ def rank_lags(timelines: list[dict]) -> list[dict]:
                 "gap_ms": _median_ms(gaps),
                 "gap_total_s": round(sum(g for g in gaps if g > 0), 3),
                 "gap_max_ms": round(max(gaps) * 1e3, 3) if gaps else None,
+                "longest_gaps": [[step, round(gap * 1e3, 1)] for gap, step in longest],
                 "late_ms": _median_ms(own[step][0] - first[step] for step in common),
                 "host_ahead_ms": _median_ms(ahead),
                 "host_bound": round(sum(a < 0 for a in ahead) / len(ahead), 3) if ahead else None,
                 "full_gcs": full.get("n"), "full_gc_ms": full.get("total_ms"),
             })
     return rows
+
+
+LONGEST = 5
+"""Gaps listed per rank, the longest first."""
 
 
 def _median_ms(seconds) -> float | None:
@@ -87,6 +94,10 @@ def table(rows: list[dict]) -> str:
         lines.append("| " + " | ".join(str(x) for x in (
             r["rank"], r["stage"], r["steps"], r["compute_ms"], r["gap_ms"], r["gap_total_s"], r["gap_max_ms"],
             r["late_ms"], r["host_ahead_ms"], r["host_bound"], r["full_gcs"], r["full_gc_ms"])) + " |")
+    lines.append("")
+    for r in rows:  # the stops the medians hide
+        gaps = ", ".join(f"{ms} ms before step {step}" for step, ms in r["longest_gaps"])
+        lines.append(f"rank {r['rank']}, longest gaps: {gaps or 'none'}")
     return "\n".join(lines)
 
 

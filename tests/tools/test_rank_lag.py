@@ -28,8 +28,21 @@ def test_a_late_rank_and_the_waits_it_causes():
     assert rows[0]["gap_ms"] == pytest.approx(2.0) and rows[1]["gap_ms"] == pytest.approx(1.0)
     assert rows[0]["gap_total_s"] == pytest.approx(19 * 0.002)
     assert rows[0]["host_ahead_ms"] == pytest.approx(-0.5) and rows[0]["host_bound"] == 1.0
+
     assert rows[1]["host_ahead_ms"] == pytest.approx(2.0) and rows[1]["host_bound"] == 0.0
     assert rows[0]["steps"] == rows[1]["steps"] == 20
+
+
+def test_a_stop_the_medians_hide():
+    # Steps every 10 ms, 8 ms each (2 ms gaps), but both ranks start step 7 50 ms late.
+    starts = [0.010 * i + (0.050 if i >= 7 else 0.0) for i in range(20)]
+    rows = rank_lag.rank_lags([timeline(0, 0, starts, compute=0.008, queued_before=0.001),
+                               timeline(1, 0, starts, compute=0.008, queued_before=0.001)])
+    for r in rows:
+        assert r["gap_ms"] == pytest.approx(2.0) and r["gap_max_ms"] == pytest.approx(52.0)
+        assert r["longest_gaps"][0] == [7, pytest.approx(52.0)] and len(r["longest_gaps"]) == rank_lag.LONGEST
+        assert r["gap_total_s"] == pytest.approx(18 * 0.002 + 0.052)
+    assert "rank 1, longest gaps: 52.0 ms before step 7, 2.0 ms" in rank_lag.table(rows)
 
 
 def test_stages_compare_only_their_own_ranks_and_common_steps():
