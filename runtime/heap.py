@@ -13,7 +13,8 @@ allocations, are (BENCHMARKS.md, "Where a tp=2 run stops").
 ``freeze_start_up_heap`` collects once and moves every object that survives into the
 interpreter's permanent generation (``gc.freeze``): later collections walk only what the
 serving loop made since. The processes pipeserve owns call it once they are ready to serve
-(each worker after it loaded, the engine server after its engine started); a library user's
+(each worker after it loaded, the engine server after its engine started, the HTTP frontend
+once the engine is ready; vLLM's API server does the same); a library user's
 process (``LLM(...)``) is left as it is, since frozen objects are never collected by the
 cycle collector again, and a worker that returns into one (an SPMD rank under an outer
 torchrun) thaws the heap first (``thaw_heap``).

@@ -48,6 +48,7 @@ from pipeserve.parallel.transport import ALL_INTERFACES
 from pipeserve.parallel.wire import TokenLogprobs
 from pipeserve.runtime.config import EngineConfig
 from pipeserve.runtime.engine.llm_engine import validate_request
+from pipeserve.runtime.heap import freeze_start_up_heap
 from pipeserve.runtime.serving.frontend import AsyncEngineClient, Delta, EngineProcess
 from pipeserve.runtime.model import hub
 from pipeserve.runtime.model.loader import read_config_and_tokenizer, resolve_model_path
@@ -1053,6 +1054,7 @@ async def _serve(engine: EngineProcess, tokenizer, engine_config: EngineConfig, 
         server.should_exit = True
 
     await client.start(on_engine_exit=on_engine_exit)
+    freeze_start_up_heap()  # this process serves until it exits: full collections skip the app and tokenizer
     try:
         await server.serve(sockets=[sock])
     finally:
