@@ -16,7 +16,8 @@
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
 #   fp8       1 GPU    FP8 weights against bf16: throughput, KV blocks, decode steps against each floor, greedy agreement
-#   ranks     2-4 GPUs per-step timelines of every rank at tp=2 (tp=4 on 4 GPUs): which rank starts late, device gaps
+#   ranks     2-4 GPUs per-step timelines of every rank at tp=2 (tp=4 on 4 GPUs) and of one GPU: which rank starts late,
+#                      device gaps (the longest, with their steps), the workers' full collections
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind;
 #                      a layer's sums in line against overlapped with the other half's GEMMs (tools/tp_overlap);
 #                      the sum kernels per size: PyTorch's one-shot and two-shot against pipeserve's push and its two-shot (tools/sum_kernels)
@@ -269,15 +270,23 @@ fp8() {  # ~7 min: four throughput runs, two roofline runs, the agreement of 64 
   tool fp8-agreement 300 0 agreement --layouts fp8 --workdir "$DIR" --out "$DIR/agreement.json"
 }
 
-ranks() {  # ~3 min: both scaling workloads at tp=2 (tp=4 on 4 GPUs), every rank's step timeline
+ranks() {  # ~4.5 min: both scaling workloads at tp=2 (tp=4 on 4 GPUs) and on one GPU, every rank's step timeline
   need_gpus 2 || return 0
-  local w tp=2 gpus=0,1
+  local w tp=2 gpus=0,1 name layout
   [ "$NGPU" -ge 4 ] && tp=4 gpus=0,1,2,3
   for w in ${WORKLOADS:-decode-heavy uniform}; do
-    rm -rf "$DIR/ranks-$w"
-    (export PIPESERVE_STAGE_STATS_DIR=$DIR/ranks-$w
-     run "ranks-$w" 200 $gpus python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp $tp)
-    run "ranks-$w-table" 60 "" python3 -m tools.rank_lag "$DIR/ranks-$w" --out "$DIR/ranks-$w.json"
+    for layout in tp 1gpu; do
+      name=ranks-$w; [ "$layout" = 1gpu ] && name=ranks-$w-1gpu
+      rm -rf "$DIR/$name"
+      (export PIPESERVE_STAGE_STATS_DIR=$DIR/$name
+       if [ "$layout" = 1gpu ]; then
+         run "$name" 200 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL
+       else
+         run "$name" 200 $gpus python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp $tp
+       fi)
+      # (this checkout's tool, which reads an older tree's timelines too)
+      run "$name-table" 60 "" python3 "$REPO/tools/rank_lag.py" "$DIR/$name" --out "$DIR/$name.json"
+    done
   done
 }
 

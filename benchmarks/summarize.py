@@ -401,10 +401,10 @@ def structured(folder: str):
 
 
 def ranks(folder: str):
-    """tools/rank_lag's rows of each workload's run (and the run's throughput)."""
+    """tools/rank_lag's rows of each workload's runs, tp > 1 and one GPU (and each run's throughput)."""
     lines, figures = [], {}
-    for workload in SCALING_WORKLOADS:
-        rows, r = load(os.path.join(folder, f"ranks-{workload}.json")), throughput_result(folder, f"ranks-{workload}")
+    for workload, name in [(w, f"ranks-{w}{suffix}") for w in SCALING_WORKLOADS for suffix in ("", "-1gpu")]:
+        rows, r = load(os.path.join(folder, f"{name}.json")), throughput_result(folder, name)
         if rows is None or r is None:
             continue
         lines += [f"{workload}: tp={r['tp']}, {r['total_tok_s']:,.0f} tok/s, {r['wall_s']:.2f} s", ""]
@@ -413,7 +413,9 @@ def ranks(folder: str):
                        [[x["rank"], x["steps"], x["compute_ms"], x["gap_ms"], x["gap_total_s"], x.get("gap_max_ms"),
                          x["late_ms"], x["host_ahead_ms"], x["host_bound"], x.get("full_gcs"), x.get("full_gc_ms")]
                         for x in rows]) + [""]
-        figures[workload] = {"throughput": r, "ranks": rows}
+        lines += [f"rank {x['rank']}, longest gaps (ms before step): "
+                  + ", ".join(f"{ms} before {step}" for step, ms in x.get("longest_gaps", [])) for x in rows] + [""]
+        figures[name.removeprefix("ranks-")] = {"throughput": r, "ranks": rows}
     return (lines or ["ranks: no result (see ranks-*.log)"]), figures
 
 
