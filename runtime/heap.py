@@ -3,16 +3,14 @@
 A full collection (generation 2) of Python's cycle collector walks every object the interpreter
 tracks, and after start-up a worker tracks a great many: torch's, Triton's and the model's
 modules, the compiled kernels, the captured graphs. The imports alone leave about 190,000, which
-one full collection takes 70–90 ms to walk on a two-core machine. Each worker of a tp=2 run on
-2 × H200 stopped for 100–150 ms four times a run, before it began waiting for its next plan, and
-held its peer as long inside the next sum: 0.46 s of the uniform workload's 7.6 s, 0.9 s of the
-decode-heavy one's 16.4 s, whose stops came every ~420 steps, regular in steps rather than in
-time and drifting apart between the ranks, as each process's own collections, triggered by its
-allocations, are (BENCHMARKS.md, "Where a tp=2 run stops").
+one full collection takes 70–90 ms to walk on a two-core machine. While a worker collects it
+launches nothing, so its device idles, and a TP peer waits for it inside the next sum: such
+collections, triggered by allocations every few hundred steps, are the likely cause of the
+100–150 ms stalls between tp=2 steps that BENCHMARKS.md records ("Stalls between tp=2 steps").
 
 ``freeze_start_up_heap`` collects once and moves every object that survives into the
 interpreter's permanent generation (``gc.freeze``): later collections walk only what the
-serving loop made since. The processes pipeserve owns call it once they are ready to serve
+serving loop made since. The processes pipeserve owns freeze once they are ready to serve
 (each worker after it loaded, the engine server after its engine started, the HTTP frontend
 once the engine is ready; vLLM's API server does the same); a library user's
 process (``LLM(...)``) is left as it is, since frozen objects are never collected by the

@@ -10,8 +10,8 @@ through the same cache (keyed by the spec; one compiler per process, so an in-pr
 reuses the engine's result, and a distributed driver compiles each distinct spec once).
 
 The driver keeps one ``GrammarMatcher`` per constrained request (``GrammarState``). Each step,
-on the host, it fills one bitmask row per constrained row of the batch, all rows in one call to
-xgrammar, and copies them to the device (``bitmask``); the sampler applies them there
+on the host, it fills one bitmask row per constrained row of the batch, all rows at once
+(xgrammar's ``batch_fill_next_token_bitmask``), and copies them to the device (``bitmask``); the sampler applies them there
 (``apply_token_bitmask``); the whole batch's sampled ids are copied to the host behind the
 sampler (``accept_later``) and each matcher accepts its row's token when the next mask is
 filled. The host fills a step's bitmask after that step's forward was launched: on an
