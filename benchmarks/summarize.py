@@ -419,7 +419,40 @@ def ranks(folder: str):
     return (lines or ["ranks: no result (see ranks-*.log)"]), figures
 
 
-SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, ranks, async_, coldstart, capacity, bubbles,
+def pairs(folder: str):
+    """Each workload's tp=2 runs of the two trees (two rounds, the GPU pairs swapped between them):
+    per run its throughput and its ranks' idle time, longest gap and full collections; then each
+    tree's mean and this tree's against the other's."""
+    trees = dict(line.split(None, 1) for line in open(os.path.join(folder, "pairs.trees")).read().splitlines()) \
+        if os.path.exists(os.path.join(folder, "pairs.trees")) else {"this": "this", "before": "before"}
+    lines, figures = [], {}
+    for workload, label in SCALING_WORKLOADS.items():
+        rows, means = [], {}
+        for tree in ("this", "before"):
+            for rnd, gpus in (("1", "0,1" if tree == "this" else "2,3"), ("2", "2,3" if tree == "this" else "0,1")):
+                name = f"pairs-{workload}-{tree}-{rnd}"
+                r, ranks_ = throughput_result(folder, name), load(os.path.join(folder, f"{name}.json"))
+                if r is None:
+                    continue
+                means.setdefault(tree, []).append(r["total_tok_s"])
+                ranks_ = ranks_ or []
+                rows.append([trees[tree], gpus, f"{r['total_tok_s']:,.0f}",
+                             " / ".join(f"{x['gap_total_s']:.2f}" for x in ranks_) or "-",
+                             max((x.get("gap_max_ms") or 0 for x in ranks_), default="-"),
+                             " / ".join("-" if x.get("full_gcs") is None else str(x["full_gcs"]) for x in ranks_) or "-"])
+                figures[name.removeprefix("pairs-")] = {"throughput": r, "ranks": ranks_}
+        if not rows:
+            continue
+        mean = {t: sum(v) / len(v) for t, v in means.items()}
+        ratio = f"{mean['this'] / mean['before']:.3f}" if len(mean) == 2 else "-"
+        lines += [f"{label}, tp=2: {trees['this']} {mean.get('this', 0):,.0f} tok/s against "
+                  f"{trees['before']} {mean.get('before', 0):,.0f} (mean of its runs): {ratio}", ""]
+        lines += table(["tree", "GPUs", "total tok/s", "idle between steps s (per rank)", "longest gap ms",
+                        "full GCs (per rank)"], rows) + [""]
+    return (lines or ["pairs: no result (see pairs-*.log)"]), figures
+
+
+SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, ranks, pairs, async_, coldstart, capacity, bubbles,
                                                   roofline, fp8, tpsteps, profile, structured)}
 
 
