@@ -9,7 +9,8 @@
 #   scaling   2 GPUs   one GPU against pp=2 and tp=2 on the same machine, two offline workloads
 #   scaling4  4 GPUs   one GPU against tp=4, pp=4 and tp=2 × pp=2 on the same machine (WORKLOADS= to pick)
 #   big4      4 GPUs   the Llama-3-70B shape: DeepSpeed-FastGen tp=4 (768- and 2,048-token forwards) against
-#                      pipeserve tp=4, tp=2 × pp=2, pp=4 (LAYOUTS= and WORKLOADS= to pick; FastGen's wheels in .whl/)
+#                      pipeserve tp=4, tp=2 × pp=2, pp=4 (LAYOUTS= and WORKLOADS= to pick, ROUNDS= timed rounds each,
+#                      the last one reported; FastGen's wheels in .whl/)
 #   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
 #   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one (TP=N: at tp=N)
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
@@ -168,12 +169,13 @@ big4() {  # FastGen ~7 min a budget (141 GB of weights written once, its kernels
       local budget=""   # fastgen-tp4: MII's default 768-token forwards; fastgen-tp4-2048: pipeserve's budget
       [ "$l" = fastgen-tp4-2048 ] && budget="--max-ragged-batch-size 2048"
       run "big4-$l" 590 0,1,2,3 python3 -m deepspeed.launcher.runner --num_gpus 4 "$REPO/tools/fastgen_tp.py" \
-        run "$dir" --tp 4 --workloads "${workloads// /,}" $budget
+        run "$dir" --tp 4 --workloads "${workloads// /,}" $budget --rounds "${ROUNDS:-1}"
       continue
     fi
     local flags=${l/tp4/--tp 4}; flags=${flags/tp2pp2/--tp 2 --pp 2}; flags=${flags/pp4/--pp 4}
     for w in $workloads; do
-      run "big4-$w-$l" 300 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --shape llama3-70b --workload "$w" $TOK_TOOL $flags
+      run "big4-$w-$l" 300 0,1,2,3 python3 "$REPO/benchmarks/throughput.py" --shape llama3-70b --workload "$w" $TOK_TOOL $flags \
+        --rounds "${ROUNDS:-1}"
     done
   done
 }

@@ -141,7 +141,10 @@ def write_folder(folder: str, *, shape: str, tokenizer: str | None, num_layers: 
     print(f"wrote {total / 1e9:.1f} GB in {len(files)} files in {time.perf_counter() - t0:.0f} s", flush=True)
 
 
-def run(folder: str, *, tp: int, workloads: list[str], seed: int, max_ragged_batch_size: int | None) -> None:
+def run(folder: str, *, tp: int, workloads: list[str], seed: int, max_ragged_batch_size: int | None,
+        rounds: int = 1) -> None:
+    """Each workload ``rounds`` times back to back; its RESULT line is the last round's, as
+    throughput.py's (with every round's total tokens/s where there are several)."""
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")  # DeepSpeed's op builder chokes on '9.0a'
     import mii
     import torch
@@ -159,13 +162,16 @@ def run(folder: str, *, tp: int, workloads: list[str], seed: int, max_ragged_bat
     fastgen_generate(pipe, warm, [8] * len(warm))  # kernels and allocations that appear only at run time
     for workload in workloads:
         prompts, out_len = throughput.workload_prompts(workload, None, seed)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        responses = fastgen_generate(pipe, prompts, [out_len] * len(prompts))
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        walls = []
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            responses = fastgen_generate(pipe, prompts, [out_len] * len(prompts))
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
         if rank != 0:
             continue
+        wall = walls[-1]
         prompt_tokens = sum(map(len, prompts))
         # Credited the requested tokens, as pipeserve is; say so where FastGen made fewer.
         out_tokens = out_len * len(prompts)
@@ -176,6 +182,8 @@ def run(folder: str, *, tp: int, workloads: list[str], seed: int, max_ragged_bat
                   "output_tok_s": round(out_tokens / wall, 1),
                   "total_tok_s": round((prompt_tokens + out_tokens) / wall, 1), "start_s": round(start_s, 1),
                   "requests_short_of_their_length": short}
+        if rounds > 1:
+            result["rounds"] = [{"total_tok_s": round((prompt_tokens + out_tokens) / w, 1)} for w in walls]
         print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -195,12 +203,13 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--max-ragged-batch-size", type=int, default=None,
                    help="FastGen's tokens per forward (default: DeepSpeed's, 768)")
+    r.add_argument("--rounds", type=int, default=1, help="timed runs of each workload, one after another")
     args = p.parse_args(argv)
     if args.command == "write":
         write_folder(args.folder, shape=args.shape, tokenizer=args.tokenizer, num_layers=args.num_layers)
     else:
         run(args.folder, tp=args.tp, workloads=[x for x in args.workloads.split(",") if x], seed=args.seed,
-            max_ragged_batch_size=args.max_ragged_batch_size)
+            max_ragged_batch_size=args.max_ragged_batch_size, rounds=args.rounds)
 
 
 if __name__ == "__main__":
