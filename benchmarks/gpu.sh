@@ -13,6 +13,7 @@
 #                      the last one reported; FastGen's wheels in .whl/)
 #   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
 #   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one (TP=N: at tp=N)
+#   coldserve 1 GPU    the same through `pipeserve serve`: time to its ready line, then TTFT of HTTP rounds (TP=N too)
 #   capacity  1-2 GPUs sarathi against the vllm policy: highest Poisson rate with P99 TBT <= 100 ms
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
@@ -42,7 +43,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling scaling4 big4 async coldstart capacity bubbles roofline fp8 ranks pairs tpsteps structured profile"
+SCENARIOS="peers prefix sharegpt scaling scaling4 big4 async coldstart coldserve capacity bubbles roofline fp8 ranks pairs tpsteps structured profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -198,6 +199,16 @@ coldstart() {  # ~3 min: the first work after start-up, with an empty compile ca
     (export TRITON_CACHE_DIR=$cache PIPESERVE_STAGE_STATS_DIR=$DIR/coldstart-$c-ranks
      run "coldstart-$c" 200 "$(seq -s, 0 $((tp - 1)))" python3 "$REPO/benchmarks/throughput.py" --workload peers \
        $TOK_TOOL --no-warmup --rounds 3 --tp "$tp")
+  done
+}
+
+coldserve() {  # ~3 min: coldstart's measurement through `pipeserve serve` and HTTP (benchmarks/cold_serve.py), TP=N too
+  local cache=$BASE/coldserve-triton-cache tp=${TP:-1}
+  need_gpus "$tp" || return 0
+  rm -rf "$cache"
+  for c in cold warm; do
+    (export TRITON_CACHE_DIR=$cache
+     run "coldserve-$c" 300 "$(seq -s, 0 $((tp - 1)))" python3 "$REPO/benchmarks/cold_serve.py" $TOK_TOOL --tp "$tp")
   done
 }
 

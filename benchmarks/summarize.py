@@ -203,6 +203,27 @@ def coldstart(folder: str):
                  rows), figures
 
 
+def coldserve(folder: str):
+    """benchmarks/cold_serve.py with an empty compile cache, then the filled one: start-up to the
+    server's ready line, and each HTTP round's TTFT and throughput."""
+    rows, figures = [], {}
+    for cache in ("cold", "warm"):
+        r = throughput_result(folder, f"coldserve-{cache}")
+        if r is None:
+            rows.append([f"{cache} cache", "no result", "", "", "", "", ""])
+            continue
+        rounds = r["rounds"]
+        tok = [x["total_tok_s"] for x in rounds]
+        mean = [x["mean_ttft_ms"] for x in rounds]
+        failed = sum(x["failed"] for x in rounds)
+        rows.append([f"{cache} cache", f"{r['start_s']:.1f}", " / ".join(f"{t:,.0f}" for t in tok),
+                     " / ".join(f"{t:.0f}" for t in mean), f"{mean[0] / mean[-1]:.3f}" if mean[-1] else "-",
+                     " / ".join(f"{x['p99_ttft_ms']:.0f}" for x in rounds), failed])
+        figures[cache] = r
+    return table(["compile cache", "start to ready s", "rounds' total tok/s", "mean TTFT ms per round",
+                  "first / last TTFT", "P99 TTFT ms per round", "failed"], rows), figures
+
+
 def capacity(folder: str):
     rows, figures = [], {}
     for policy in ("sarathi", "vllm"):
@@ -452,7 +473,7 @@ def pairs(folder: str):
     return (lines or ["pairs: no result (see pairs-*.log)"]), figures
 
 
-SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, ranks, pairs, async_, coldstart, capacity, bubbles,
+SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, ranks, pairs, async_, coldstart, coldserve, capacity, bubbles,
                                                   roofline, fp8, tpsteps, profile, structured)}
 
 
