@@ -18,8 +18,8 @@
 #   bubbles   2 GPUs   pp=2 bubbles: sarathi with a profiled time budget (twice), orca
 #   roofline  1 GPU    prefill MFU and decode steps against the weight-read floor
 #   fp8       1 GPU    FP8 weights against bf16: throughput, KV blocks, decode steps against each floor, greedy agreement
-#   pairs     4 GPUs   tp=2 of this tree and of BEFORE=<another checkout> at once, on GPUs 0,1 and 2,3, then
-#                      swapped: a same-time A/B, with every rank's timeline (WORKLOADS= to pick)
+#   pairs     2-4 GPUs this tree and BEFORE=<another checkout> at once at tp=TP (default 2: GPUs 0,1 and 2,3; TP=1:
+#                      GPU 0 and 1), then swapped: a same-time A/B, with every rank's timeline (WORKLOADS= to pick)
 #   ranks     2-4 GPUs per-step timelines of every rank at tp=2 (tp=4 on 4 GPUs) and of one GPU: which rank starts late,
 #                      device gaps (the longest, with their steps), the workers' full collections
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind;
@@ -37,7 +37,7 @@
 #   TREE=<folder>  run against another checkout of pipeserve (an older commit in a git-ignored
 #                  folder): `TREE=.before bash benchmarks/gpu.sh peers; bash benchmarks/gpu.sh peers`
 #                  measures before and after in one run. LABEL=<name> names a tree in the tables.
-#   BEFORE=<folder> pairs: the other tree, run at the same time as TREE on the other GPU pair
+#   BEFORE=<folder> pairs: the other tree, run at the same time as TREE on the other GPUs
 #   DRY=1          print the commands instead of running them (no GPU needed)
 #   SYSTEMS=<list> bench_peers systems for peers, prefix and sharegpt (e.g. pipeserve,fastgen)
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
@@ -306,28 +306,31 @@ ranks() {  # ~4.5 min: both scaling workloads at tp=2 (tp=4 on 4 GPUs) and on on
   done
 }
 
-pairs() {  # ~1.5 min a workload and round: tp=2 of the two trees at once, on disjoint GPU pairs, then swapped
-  need_gpus 4 || return 0
+pairs() {  # ~1.5 min a workload and round: the two trees at once at tp=TP (default 2) on disjoint GPUs, then swapped
+  local tp=${TP:-2}
+  need_gpus $((2 * tp)) || return 0
   [ -n "${BEFORE:-}" ] || { echo "pairs needs BEFORE=<another checkout of pipeserve>: skipped"; return 0; }
-  local before w round gt gb
+  local before w round ga gb gt gbf
   before=$(cd "$BEFORE" && pwd) || return 0
   [ -n "$DRY" ] || { mkdir -p /tmp/pkg-before && ln -sfn "$before" /tmp/pkg-before/pipeserve; }
-  { echo "this $LABEL"; echo "before $([ -e "$before/.git" ] && git -C "$before" rev-parse --short HEAD 2>/dev/null || basename "$before" | sed "s|^\.||")"; } >"$DIR/pairs.trees"
+  { echo "this $LABEL"; echo "before $([ -e "$before/.git" ] && git -C "$before" rev-parse --short HEAD 2>/dev/null || basename "$before" | sed "s|^\.||")"
+    echo "tp $tp"; } >"$DIR/pairs.trees"
+  ga=$(seq -s, 0 $((tp - 1))) gb=$(seq -s, "$tp" $((2 * tp - 1)))
   for w in ${WORKLOADS:-decode-heavy uniform}; do
-    for round in 1 2; do  # each tree on each pair once: the pairs' own difference cancels
-      gt=0,1 gb=2,3; [ "$round" = 2 ] && gt=2,3 gb=0,1
-      pair_run "pairs-$w-this-$round" "$ROOT" /tmp/pkg "$gt" "$w" &
-      pair_run "pairs-$w-before-$round" "$before" /tmp/pkg-before "$gb" "$w" &
+    for round in 1 2; do  # each tree on each group once: the groups' own difference cancels
+      gt=$ga gbf=$gb; [ "$round" = 2 ] && gt=$gb gbf=$ga
+      pair_run "pairs-$w-this-$round" "$ROOT" /tmp/pkg "$gt" "$w" "$tp" &
+      pair_run "pairs-$w-before-$round" "$before" /tmp/pkg-before "$gbf" "$w" "$tp" &
       wait
     done
   done
 }
 
-pair_run() {  # pair_run NAME TREE PACKAGE_DIR GPUS WORKLOAD: one tp=2 run of TREE with its timelines, then their table
-  local name=$1 tree=$2 pkg=$3 gpus=$4 w=$5
+pair_run() {  # pair_run NAME TREE PACKAGE_DIR GPUS WORKLOAD TP: one run of TREE with its timelines, then their table
+  local name=$1 tree=$2 pkg=$3 gpus=$4 w=$5 tp=$6
   rm -rf "${DIR:?}/$name"
   (export PIPESERVE_STAGE_STATS_DIR=$DIR/$name PYTHONPATH=$pkg:/tmp/site PIPESERVE_TREE=$tree ROOT=$tree
-   run "$name" 200 "$gpus" python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp 2)
+   run "$name" 200 "$gpus" python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp "$tp")
   run "$name-table" 60 "" python3 "$REPO/tools/rank_lag.py" "$DIR/$name" --out "$DIR/$name.json" >/dev/null
 }
 

@@ -441,16 +441,18 @@ def ranks(folder: str):
 
 
 def pairs(folder: str):
-    """Each workload's tp=2 runs of the two trees (two rounds, the GPU pairs swapped between them):
+    """Each workload's runs of the two trees (two rounds, their GPUs swapped between them):
     per run its throughput and its ranks' idle time, longest gap and full collections; then each
     tree's mean and this tree's against the other's."""
     trees = dict(line.split(None, 1) for line in open(os.path.join(folder, "pairs.trees")).read().splitlines()) \
         if os.path.exists(os.path.join(folder, "pairs.trees")) else {"this": "this", "before": "before"}
+    tp = int(trees.get("tp", 2))
+    first, second = ",".join(map(str, range(tp))), ",".join(map(str, range(tp, 2 * tp)))
     lines, figures = [], {}
     for workload, label in SCALING_WORKLOADS.items():
         rows, means = [], {}
         for tree in ("this", "before"):
-            for rnd, gpus in (("1", "0,1" if tree == "this" else "2,3"), ("2", "2,3" if tree == "this" else "0,1")):
+            for rnd, gpus in (("1", first if tree == "this" else second), ("2", second if tree == "this" else first)):
                 name = f"pairs-{workload}-{tree}-{rnd}"
                 r, ranks_ = throughput_result(folder, name), load(os.path.join(folder, f"{name}.json"))
                 if r is None:
@@ -466,7 +468,7 @@ def pairs(folder: str):
             continue
         mean = {t: sum(v) / len(v) for t, v in means.items()}
         ratio = f"{mean['this'] / mean['before']:.3f}" if len(mean) == 2 else "-"
-        lines += [f"{label}, tp=2: {trees['this']} {mean.get('this', 0):,.0f} tok/s against "
+        lines += [f"{label}, tp={tp}: {trees['this']} {mean.get('this', 0):,.0f} tok/s against "
                   f"{trees['before']} {mean.get('before', 0):,.0f} (mean of its runs): {ratio}", ""]
         lines += table(["tree", "GPUs", "total tok/s", "idle between steps s (per rank)", "longest gap ms",
                         "full GCs (per rank)"], rows) + [""]
