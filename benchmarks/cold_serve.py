@@ -35,52 +35,57 @@ from throughput import SHAPES, model_folder  # noqa: E402  (this folder's)
 READY = re.compile(r"^pipeserve: serving .* on (http://\S+)")
 
 
-def start_server(folder: str, args: argparse.Namespace, run_dir: str) -> tuple[subprocess.Popen, str, float, list[str]]:
-    """`pipeserve serve` on ``folder``; returns (process, its URL, seconds to ready, its output so
-    far). RuntimeError with the output's tail if it exits or stays silent past the limit."""
-    cmd = [sys.executable, "-m", "pipeserve.launch.cli", "serve", "model=hf", f"model.path={folder}",
-           "engine.load_format=dummy", "server.port=0", f"parallel.tp={args.tp}", f"parallel.pp={args.pp}",
-           f"scheduler.max_num_batched_tokens={args.max_num_batched_tokens}",
-           f"scheduler.max_num_seqs={args.max_num_seqs}", f"engine.max_model_len={args.max_model_len}",
-           f"hydra.run.dir={run_dir}", *args.override]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    lines: queue.Queue[str | None] = queue.Queue()
+class Server:
+    """`pipeserve serve` on a model folder, its output echoed here line by line."""
 
-    def pump() -> None:  # the server's output, line by line, echoed and handed over
-        for line in proc.stdout:
+    def __init__(self, folder: str, args: argparse.Namespace, run_dir: str) -> None:
+        cmd = [sys.executable, "-m", "pipeserve.launch.cli", "serve", "model=hf", f"model.path={folder}",
+               "engine.load_format=dummy", "server.port=0", f"parallel.tp={args.tp}", f"parallel.pp={args.pp}",
+               f"scheduler.max_num_batched_tokens={args.max_num_batched_tokens}",
+               f"scheduler.max_num_seqs={args.max_num_seqs}", f"engine.max_model_len={args.max_model_len}",
+               f"hydra.run.dir={run_dir}", *args.override]
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.pump = threading.Thread(target=self._pump, daemon=True)
+        self.pump.start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
             sys.stdout.write(line)
-            lines.put(line)
-        lines.put(None)
+            self.lines.put(line)
+        self.lines.put(None)
 
-    threading.Thread(target=pump, daemon=True).start()
-    seen: list[str] = []
-    try:
+    def wait_ready(self, timeout_s: float) -> tuple[str, float]:
+        """(its URL, seconds from launch to its ready line); RuntimeError with the output's tail
+        if it exits first or is not ready within ``timeout_s``."""
+        seen: list[str] = []
         while True:
+            left = timeout_s - (time.perf_counter() - self.t0)
             try:
-                line = lines.get(timeout=max(0.1, args.start_timeout_s - (time.perf_counter() - t0)))
+                line = self.lines.get(timeout=left) if left > 0 else None
             except queue.Empty:
                 line = None
             if line is None:
-                raise RuntimeError(f"pipeserve serve did not report ready within {args.start_timeout_s:.0f} s "
-                                   f"(exit {proc.poll()}):\n{''.join(seen[-20:])}")
+                tail = "".join(seen[-20:])
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"pipeserve serve exited ({self.proc.returncode}) before it was ready:\n{tail}")
+                raise RuntimeError(f"pipeserve serve was not ready within {timeout_s:.0f} s:\n{tail}")
             seen.append(line)
             if m := READY.match(line):
-                return proc, m.group(1), time.perf_counter() - t0, seen
-    except BaseException:  # not ready, or stopped meanwhile: the server goes too
-        stop_server(proc)
-        raise
+                return m.group(1), time.perf_counter() - self.t0
 
-
-def stop_server(proc: subprocess.Popen, grace_s: float = 60.0) -> None:
-    """SIGTERM (the server drains, then stops its engine and workers), then SIGKILL."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM (the server drains, then stops its engine and workers), then SIGKILL; then the
+        rest of its output, so that nothing of it lands after this process's own lines."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.pump.join(timeout=10.0)  # EOF once every process that held the pipe has gone
 
 
 def one_round(url: str, folder: str, args: argparse.Namespace, out: str) -> dict:
@@ -127,20 +132,22 @@ def main(argv: list[str] | None = None) -> dict:
 
     folder = model_folder(args.tokenizer, args.num_layers, args.shape)
     work = tempfile.mkdtemp(prefix="pipeserve-cold-serve-")
-    proc = None
+    server = None
     try:
-        proc, url, start_s, _ = start_server(folder, args, os.path.join(work, "serve"))
+        server = Server(folder, args, os.path.join(work, "serve"))
+        url, start_s = server.wait_ready(args.start_timeout_s)
         rounds = [one_round(url, folder, args, os.path.join(work, f"round{i}.json")) for i in range(args.rounds)]
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if server is not None:
+            server.stop()
         shutil.rmtree(folder, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     result = {"shape": args.shape, "tp": args.tp, "pp": args.pp, "num_prompts": args.num_prompts,
               "input_len": args.input_len, "output_len": args.output_len,
               "request_rate": None if math.isinf(args.request_rate) else args.request_rate,
               "start_s": round(start_s, 1), "rounds": rounds}
-    print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.write("RESULT " + json.dumps(result) + "\n")  # one write: no other line inside it
+    sys.stdout.flush()
     return result
 
 

@@ -10,7 +10,8 @@
 #   scaling4  4 GPUs   one GPU against tp=4, pp=4 and tp=2 × pp=2 on the same machine (WORKLOADS= to pick)
 #   big4      4 GPUs   the Llama-3-70B shape: DeepSpeed-FastGen tp=4 (768- and 2,048-token forwards) against
 #                      pipeserve tp=4, tp=2 × pp=2, pp=4 (LAYOUTS= and WORKLOADS= to pick, ROUNDS= timed rounds each,
-#                      the last one reported; FastGen's wheels in .whl/)
+#                      the last one reported: with WORKLOADS=peers, as FastGen's decode-heavy round takes ~3 min;
+#                      FastGen's wheels in .whl/)
 #   async     2 GPUs   one GPU and tp=2 without token feedback (async scheduling), against scaling's runs
 #   coldstart 1 GPU    start-up and the first rounds after it, with an empty compile cache and a filled one (TP=N: at tp=N)
 #   coldserve 1 GPU    the same through `pipeserve serve`: time to its ready line, then TTFT of HTTP rounds (TP=N too)
@@ -313,6 +314,7 @@ pairs() {  # ~1.5 min a workload and round: the two trees at once at tp=TP (defa
   local before w round ga gb gt gbf
   before=$(cd "$BEFORE" && pwd) || return 0
   [ -n "$DRY" ] || { mkdir -p /tmp/pkg-before && ln -sfn "$before" /tmp/pkg-before/pipeserve; }
+  rm -rf "${DIR:?}"/pairs-*   # an earlier invocation's runs would show under this one's trees
   { echo "this $LABEL"; echo "before $([ -e "$before/.git" ] && git -C "$before" rev-parse --short HEAD 2>/dev/null || basename "$before" | sed "s|^\.||")"
     echo "tp $tp"; } >"$DIR/pairs.trees"
   ga=$(seq -s, 0 $((tp - 1))) gb=$(seq -s, "$tp" $((2 * tp - 1)))
@@ -331,7 +333,7 @@ pair_run() {  # pair_run NAME TREE PACKAGE_DIR GPUS WORKLOAD TP: one run of TREE
   rm -rf "${DIR:?}/$name"
   (export PIPESERVE_STAGE_STATS_DIR=$DIR/$name PYTHONPATH=$pkg:/tmp/site PIPESERVE_TREE=$tree ROOT=$tree
    run "$name" 200 "$gpus" python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp "$tp")
-  run "$name-table" 60 "" python3 "$REPO/tools/rank_lag.py" "$DIR/$name" --out "$DIR/$name.json" >/dev/null
+  run "$name-table" 60 "" python3 "$REPO/tools/rank_lag.py" "$DIR/$name" --out "$DIR/$name.json"
 }
 
 tpsteps() {  # ~5 min (~8 on 4 GPUs): tools/tp_steps at each tp (start-up and graph capture included), then the two probes

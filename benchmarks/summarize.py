@@ -42,6 +42,10 @@ def ms(seconds) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
+def num(x, fmt: str = ".0f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def table(header: list[str], rows: list[list]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + \
         ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -101,7 +105,12 @@ def throughput_result(folder: str, name: str) -> dict | None:
             lines = [line for line in f if line.startswith("RESULT ")]
     except OSError:
         return None
-    return json.loads(lines[-1][len("RESULT "):]) if lines else None
+    for line in reversed(lines):  # the last that parses (another process's output may have cut one)
+        try:
+            return json.loads(line[len("RESULT "):])
+        except ValueError:
+            continue
+    return None
 
 
 def scaling(folder: str, prefix: str = "scaling", layouts=(("1gpu", "1 GPU"), ("pp2", "pp=2"), ("tp2", "tp=2"))):
@@ -217,8 +226,8 @@ def coldserve(folder: str):
         mean = [x["mean_ttft_ms"] for x in rounds]
         failed = sum(x["failed"] for x in rounds)
         rows.append([f"{cache} cache", f"{r['start_s']:.1f}", " / ".join(f"{t:,.0f}" for t in tok),
-                     " / ".join(f"{t:.0f}" for t in mean), f"{mean[0] / mean[-1]:.3f}" if mean[-1] else "-",
-                     " / ".join(f"{x['p99_ttft_ms']:.0f}" for x in rounds), failed])
+                     " / ".join(num(t) for t in mean), f"{mean[0] / mean[-1]:.3f}" if mean[0] and mean[-1] else "-",
+                     " / ".join(num(x["p99_ttft_ms"]) for x in rounds), failed])
         figures[cache] = r
     return table(["compile cache", "start to ready s", "rounds' total tok/s", "mean TTFT ms per round",
                   "first / last TTFT", "P99 TTFT ms per round", "failed"], rows), figures
@@ -461,7 +470,8 @@ def pairs(folder: str):
                 ranks_ = ranks_ or []
                 rows.append([trees[tree], gpus, f"{r['total_tok_s']:,.0f}",
                              " / ".join(f"{x['gap_total_s']:.2f}" for x in ranks_) or "-",
-                             max((x.get("gap_max_ms") or 0 for x in ranks_), default="-"),
+                             num(max((x["gap_max_ms"] for x in ranks_ if x.get("gap_max_ms") is not None),
+                                     default=None), ".1f"),
                              " / ".join("-" if x.get("full_gcs") is None else str(x["full_gcs"]) for x in ranks_) or "-"])
                 figures[name.removeprefix("pairs-")] = {"throughput": r, "ranks": ranks_}
         if not rows:
