@@ -241,7 +241,7 @@ class CalledFunction(_Strict):
 
 
 class MessageToolCall(_Strict):
-    """A call in an assistant message of the history."""
+    """A tool call in an assistant message of the history."""
 
     id: str | None = None
     type: Literal["function"] = "function"
@@ -263,9 +263,9 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[MessageToolCall] | None = None
-    """An assistant message's calls."""
+    """An assistant message's tool calls."""
     tool_call_id: str | None = None
-    """A tool message's: the call it answers."""
+    """A tool message's: the tool call it answers."""
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -298,11 +298,11 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[Tool] | None = None
     """Functions the model may call; the chat template renders them."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    """"auto" (the default with tools: calls are parsed from the output, which needs
-    server.enable_auto_tool_choice), "none" (no parsing), "required" (one call or more) or a
-    named function (a call of it); the last two constrain the output."""
+    """"auto" (the default with tools: tool calls are parsed from the output, which needs
+    server.enable_auto_tool_choice), "none" (no parsing), "required" (one tool call or more) or a
+    named function (a tool call of it); the last two constrain the output."""
     parallel_tool_calls: bool = True
-    """False: at most one call."""
+    """False: at most one tool call."""
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

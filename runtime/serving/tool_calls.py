@@ -1,5 +1,5 @@
-"""Tool calling for /v1/chat/completions: the calls in a model's output, and the constraints
-that make ``tool_choice: "required"`` or a named function produce calls.
+"""Tool calling for /v1/chat/completions: the tool calls in a model's output, and the constraints
+that make ``tool_choice: "required"`` or a named function produce tool calls.
 
     parser = ToolCallParser.of("hermes")                    # or "llama3_json"
     for piece in parser.feed(text_delta): ...               # str, ToolCall or MoreArguments
@@ -10,29 +10,29 @@ One streaming parser per format serves both answers: the non-streamed one feeds 
 at once, and every decision depends on the text read so far, never on how it was split, so a
 stream's pieces always add up to the non-streamed message.
 
-A call begins (``ToolCall``, its name and no arguments yet) once the output holds its head,
+A tool call begins (``ToolCall``, its name and no arguments yet) once the output holds its head,
 ``{"name": "<name>", "arguments": `` followed by ``{`` (any JSON whitespace between; Llama 3
 may write "parameters"), and its arguments then come as the model writes them
-(``MoreArguments``). Text is held back only while it may still become a call: a partial
-``<tool_call>`` tag; the start of a Llama 3 or "required" output, and what follows a call there
+(``MoreArguments``). Text is held back only while it may still become a tool call: a partial
+``<tool_call>`` tag; the start of a Llama 3 or "required" output, and what follows a tool call there
 (a separator); a head not yet whole (so a name always goes out whole); an object without a head
-until it ends (Hermes: until ``</tool_call>``), since a call object whose name is not its first
-member is a call all the same, sent whole; inside the arguments, only a token not yet whole (a
-number or literal until the character after it, a string escape). An object that is not a call
-(bad JSON, no name, no arguments object) is content, as written. Text around the calls is
-content, except whitespace next to a call; text still held when the output ends (cut inside a
+until it ends (Hermes: until ``</tool_call>``), since a tool call object whose name is not its first
+member is a tool call all the same, sent whole; inside the arguments, only a token not yet whole (a
+number or literal until the character after it, a string escape). An object that is not a tool call
+(bad JSON, no name, no arguments object) is content, as written. Text around the tool calls is
+content, except whitespace next to a tool call; text still held when the output ends (cut inside a
 head) is content as written.
 
 The arguments are written as ``json.dumps(arguments, ensure_ascii=False)`` writes them
 (``", "`` and ``": "``, its string escapes, numbers as Python writes them; a repeated key kept,
 a lone surrogate, which UTF-8 cannot carry, escaped), token by token as they are read
-(``_JsonReader``): the same text, streamed or not. Once a call has begun it stays
-a call: if its JSON breaks, the arguments end there (not valid JSON, as a cut output's are) and
-the rest of the call is dropped.
+(``_JsonReader``): the same text, streamed or not. Once a tool call has begun it stays
+a tool call: if its JSON breaks, the arguments end there (not valid JSON, as a cut output's are) and
+the rest of the tool call is dropped.
 
 ``tool_choice: "required"`` and a named function constrain the output to JSON
 (``required_schema``, ``named_schema``, vLLM's schemas), read by the same machinery: a JSON array
-of calls, or one call's arguments object.
+of tool calls, or one tool call's arguments object.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ PARSERS = ("hermes", "llama3_json")
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
-    """A call: its name, and its arguments as JSON text (as far as they are read, when streamed)."""
+    """A tool call: its name, and its arguments as JSON text (as far as they are read, when streamed)."""
 
     name: str
     arguments: str
@@ -60,7 +60,7 @@ class ToolCall:
 
 @dataclass(frozen=True, slots=True)
 class MoreArguments:
-    """The next text of the last call's arguments."""
+    """The next text of the last tool call's arguments."""
 
     text: str
 
@@ -187,7 +187,7 @@ class _JsonReader:
 
 
 def _head(text: str, keys: tuple[str, ...]) -> tuple[str, int] | bool:
-    """A call's head at the start of ``text``: ``{"name": "<name>", "<one of keys>": `` before
+    """A tool call's head at the start of ``text``: ``{"name": "<name>", "<one of keys>": `` before
     ``{``, JSON whitespace between. (the name, where its arguments begin) once ``text`` holds
     it whole; else whether ``text`` may still become one."""
     pos, name = 0, ""
@@ -206,7 +206,7 @@ def _head(text: str, keys: tuple[str, ...]) -> tuple[str, int] | bool:
 
 
 def _call_of(value: str | Any, keys: tuple[str, ...]) -> ToolCall | None:
-    """The call in a JSON object (or its text), ``{"name": str, one of keys: object}`` in any
+    """The tool call in a JSON object (or its text), ``{"name": str, one of keys: object}`` in any
     order (the first of keys it has), else None."""
     if isinstance(value, str):
         try:
@@ -233,7 +233,7 @@ Piece = str | ToolCall | MoreArguments
 
 
 class ToolCallParser(abc.ABC):
-    """Splits streamed text into pieces (``feed``, then ``finish``): content (``str``), a call's
+    """Splits streamed text into pieces (``feed``, then ``finish``): content (``str``), a tool call's
     start (``ToolCall``) and its arguments' next text (``MoreArguments``); one subclass per
     output format."""
 
@@ -242,9 +242,9 @@ class ToolCallParser(abc.ABC):
         return {"hermes": HermesParser, "llama3_json": Llama3JsonParser}[name]()
 
     def __init__(self) -> None:
-        self._space = ""  # whitespace held back: dropped next to a call, kept before more content
+        self._space = ""  # whitespace held back: dropped next to a tool call, kept before more content
         self._buffer = ""  # text not yet read
-        self._json: _JsonReader | None = None  # a call's arguments, or the rest of its object
+        self._json: _JsonReader | None = None  # a tool call's arguments, or the rest of its object
         self.num_calls = 0
 
     def feed(self, text: str) -> list[Piece]:
@@ -276,7 +276,7 @@ class ToolCallParser(abc.ABC):
         return [call]
 
     def _begin(self, name: str) -> list[Piece]:
-        """A call whose arguments the buffer goes on with."""
+        """A tool call whose arguments the buffer goes on with."""
         self._json = _JsonReader()
         return self._call(ToolCall(name, ""))
 
@@ -299,7 +299,7 @@ class ToolCallParser(abc.ABC):
 class HermesParser(ToolCallParser):
     """Hermes / Qwen: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number,
     anywhere in the text; an unclosed last one is read up to the end of the output. After a
-    call's arguments, the rest of its text up to ``</tool_call>`` is dropped."""
+    tool call's arguments, the rest of its text up to ``</tool_call>`` is dropped."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     KEYS = ("arguments",)
@@ -307,7 +307,7 @@ class HermesParser(ToolCallParser):
     def __init__(self) -> None:
         super().__init__()
         # content; head (after <tool_call>); whole (a body read at its </tool_call>);
-        # arguments; drop (the rest of a call, to its </tool_call>)
+        # arguments; drop (the rest of a tool call, to its </tool_call>)
         self._state = "content"
 
     def _step(self, out: list[Piece]) -> bool:
@@ -360,7 +360,7 @@ class HermesParser(ToolCallParser):
         return out + self._end()
 
     def _body(self, body: str, closed: bool) -> list[Piece]:
-        """A call body that has no head, read whole: a call, else content as written."""
+        """A tool call body that has no head, read whole: a tool call, else content as written."""
         call = _call_of(body, self.KEYS)
         if call is None:
             return self._content(self.OPEN + body + (self.CLOSE if closed else ""))
@@ -370,8 +370,8 @@ class HermesParser(ToolCallParser):
 class _CallList(ToolCallParser):
     """Calls written as JSON objects one after another: the first after one of ``FIRST``, each
     next after one of ``LATER``, then ``CLOSE`` (where the format has one). The first text that
-    does not go on with calls ends them: from there on, the output is content as written. After
-    a call's arguments, the rest of its object is dropped; once a call's JSON breaks, the rest
+    does not go on with tool calls ends them: from there on, the output is content as written. After
+    a tool call's arguments, the rest of its object is dropped; once a tool call's JSON breaks, the rest
     of the output is."""
 
     FIRST: tuple[str, ...]
@@ -381,8 +381,8 @@ class _CallList(ToolCallParser):
 
     def __init__(self) -> None:
         super().__init__()
-        # lead (before a call); object (one without a head, read to its end); arguments; rest
-        # (of a call's object); content; drop
+        # lead (before a tool call); object (one without a head, read to its end); arguments; rest
+        # (of a tool call's object); content; drop
         self._state = "lead"
         self._start = self._read = 0  # "object": where it starts in the buffer, how far it is read
 
@@ -411,7 +411,7 @@ class _CallList(ToolCallParser):
         return False
 
     def _lead(self, out: list[Piece]) -> bool:
-        """What follows the output's start or a call: another call (its head, or an object
+        """What follows the output's start or a tool call: another tool call (its head, or an object
         without one), the close, or content; or nothing yet."""
         text = self._buffer
         rest = text[_SPACE.match(text).end():]
@@ -441,7 +441,7 @@ class _CallList(ToolCallParser):
         return True
 
     def _object(self, out: list[Piece]) -> bool:
-        """An object without a call's head: a call all the same once it ends, else content."""
+        """An object without a tool call's head: a tool call all the same once it ends, else content."""
         self._read += self._json.read(self._buffer[self._read:])[1]
         if not (self._json.done or self._json.broken):
             return False
@@ -462,9 +462,9 @@ class _CallList(ToolCallParser):
 
 
 class Llama3JsonParser(_CallList):
-    """Llama 3.x's JSON calls: an output that starts (after ``<|python_tag|>``, if the special
+    """Llama 3.x's JSON tool calls: an output that starts (after ``<|python_tag|>``, if the special
     tokens are kept) with ``{"name": ..., "parameters": {...}}`` ("arguments" too), several
-    separated by ";". An output that does not start with a call is content."""
+    separated by ";". An output that does not start with a tool call is content."""
 
     FIRST, LATER, CLOSE = ("<|python_tag|>", ""), (";",), None
     KEYS = ("parameters", "arguments")
@@ -498,7 +498,7 @@ class _Named(ToolCallParser):
 
 
 def parse_tool_calls(parser: str, text: str) -> tuple[str | None, list[ToolCall]]:
-    """(content or None, calls) of a whole output."""
+    """(content or None, tool calls) of a whole output."""
     p = ToolCallParser.of(parser)
     content, calls = "", []
     for piece in p.feed(text) + p.finish():
@@ -530,13 +530,13 @@ def required_schema(tools: list[dict], parallel: bool) -> dict:
             "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
 
 
-# ---- one choice's calls, streamed or whole ----------------------------------------------------
+# ---- one choice's tool calls, streamed or whole -----------------------------------------------
 
 
 class ChoiceToolCalls:
-    """One choice's output read for calls, by ``tool_choice``: "auto" (``parser``), "required"
+    """One choice's output read for tool calls, by ``tool_choice``: "auto" (``parser``), "required"
     or "named" (the constrained JSON). ``feed``/``finish`` give OpenAI's stream deltas (content
-    or ``tool_calls``: a call's first delta has its index, id, type, name and arguments so far;
+    or ``tool_calls``: a tool call's first delta has its index, id, type, name and arguments so far;
     later ones its index and more arguments); ``message`` the non-streamed message's fields."""
 
     def __init__(self, tool_choice: str, *, parser: str | None = None, function: str | None = None,
@@ -547,7 +547,7 @@ class ChoiceToolCalls:
             self._parser = ToolCallParser.of(parser)
         else:
             self._parser = _Required() if tool_choice == "required" else _Named(function)
-        self._kept = False  # whether the call being read is answered (parallel_tool_calls false: the first)
+        self._kept = False  # whether the tool call being read is answered (parallel_tool_calls false: the first)
         self.num_calls = 0
 
     def feed(self, text: str) -> list[dict]:
@@ -569,8 +569,8 @@ class ChoiceToolCalls:
         return content or None, calls
 
     def _deltas(self, pieces: list[Piece]) -> list[dict]:
-        """One delta a piece; a call's arguments joined to the delta before them when it is the
-        same call's."""
+        """One delta a piece; a tool call's arguments joined to the delta before them when it is the
+        same tool call's."""
         out: list[dict] = []
         for piece in pieces:
             if isinstance(piece, str):
