@@ -289,21 +289,11 @@ fp8() {  # ~7 min: four throughput runs, two roofline runs, the agreement of 64 
 
 ranks() {  # ~4.5 min: both scaling workloads at tp=2 (tp=4 on 4 GPUs) and on one GPU, every rank's step timeline
   need_gpus 2 || return 0
-  local w tp=2 gpus=0,1 name layout
+  local w tp=2 gpus=0,1
   [ "$NGPU" -ge 4 ] && tp=4 gpus=0,1,2,3
   for w in ${WORKLOADS:-decode-heavy uniform}; do
-    for layout in tp 1gpu; do
-      name=ranks-$w; [ "$layout" = 1gpu ] && name=ranks-$w-1gpu
-      rm -rf "$DIR/$name"
-      (export PIPESERVE_STAGE_STATS_DIR=$DIR/$name
-       if [ "$layout" = 1gpu ]; then
-         run "$name" 200 0 python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL
-       else
-         run "$name" 200 $gpus python3 "$REPO/benchmarks/throughput.py" --workload "$w" $TOK_TOOL --tp $tp
-       fi)
-      # (this checkout's tool, which reads an older tree's timelines too)
-      run "$name-table" 60 "" python3 "$REPO/tools/rank_lag.py" "$DIR/$name" --out "$DIR/$name.json"
-    done
+    timeline_run "ranks-$w" "$ROOT" /tmp/pkg "$gpus" "$w" "$tp"
+    timeline_run "ranks-$w-1gpu" "$ROOT" /tmp/pkg 0 "$w" 1
   done
 }
 
@@ -321,14 +311,15 @@ pairs() {  # ~1.5 min a workload and round: the two trees at once at tp=TP (defa
   for w in ${WORKLOADS:-decode-heavy uniform}; do
     for round in 1 2; do  # each tree on each group once: the groups' own difference cancels
       gt=$ga gbf=$gb; [ "$round" = 2 ] && gt=$gb gbf=$ga
-      pair_run "pairs-$w-this-$round" "$ROOT" /tmp/pkg "$gt" "$w" "$tp" &
-      pair_run "pairs-$w-before-$round" "$before" /tmp/pkg-before "$gbf" "$w" "$tp" &
+      timeline_run "pairs-$w-this-$round" "$ROOT" /tmp/pkg "$gt" "$w" "$tp" &
+      timeline_run "pairs-$w-before-$round" "$before" /tmp/pkg-before "$gbf" "$w" "$tp" &
       wait
     done
   done
 }
 
-pair_run() {  # pair_run NAME TREE PACKAGE_DIR GPUS WORKLOAD TP: one run of TREE with its timelines, then their table
+timeline_run() {  # timeline_run NAME TREE PACKAGE_DIR GPUS WORKLOAD TP: one throughput.py run of TREE with every
+  # rank's step timeline, then their table (this checkout's rank_lag, which reads an older tree's timelines too)
   local name=$1 tree=$2 pkg=$3 gpus=$4 w=$5 tp=$6
   rm -rf "${DIR:?}/$name"
   (export PIPESERVE_STAGE_STATS_DIR=$DIR/$name PYTHONPATH=$pkg:/tmp/site PIPESERVE_TREE=$tree ROOT=$tree
