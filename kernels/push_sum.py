@@ -33,6 +33,16 @@ may follow each other.
 
 Torch reference: the rows of every rank summed in float32 in rank order, rounded once
 (``push_sum_reference``); every rank gets the same bits.
+
+``push_add_rms_norm`` is the same exchange with the layer's next step fused behind it: the sum,
+plus the residual, RMS-normed (``kernels/rms_norm``'s numerics), so a row-parallel layer's
+partial rows go straight to the next norm and the sum's output makes no round trip through
+memory into a separate norm kernel. Its programs cover whole rows (a row's norm needs all of
+it); the two kernels share one rank's slots, flags and counts, any sequence of them in the same
+order on every rank.
+
+Torch reference: ``add_rms_norm_reference(push_sum_reference(parts), residual, weight, eps)``:
+the same roundings; the sum of squares may add in another order (an ulp).
 """
 
 from __future__ import annotations
@@ -99,6 +109,44 @@ def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, sl
             else:  # .cg: the peer's stores, not a line this SM cached two sums ago
                 acc += tl.load(own + r * slot_numel + idx, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _push_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, slot_ptrs, flag_ptrs,
+                              counts_ptr, T, H, slot_numel, eps,
+                              RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    count = next_count(counts_ptr, pid)
+    slot = (count % 2) * WORLD * slot_numel
+    dtype = x_ptr.dtype.element_ty
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    for row in range(pid, T, programs):  # rows pid, pid + programs, ...: the same on every rank
+        at = row * H + cols  # int32: a slot holds at most 8 MB
+        v = tl.load(x_ptr + at, mask=mask)
+        for k in tl.static_range(1, WORLD):
+            peer = (RANK + k) % WORLD
+            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + RANK * slot_numel
+            tl.store(dst + at, v, mask=mask)
+    exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
+    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(dtype)) + slot
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for row in range(pid, T, programs):
+        at = row * H + cols
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for r in tl.static_range(WORLD):  # rank order, as push_sum
+            if r == RANK:
+                acc += tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            else:
+                acc += tl.load(own + r * slot_numel + at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        # the sum rounded as push_sum rounds it, then x + residual rounded as rms_norm does
+        s = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        s = s.to(dtype)
+        tl.store(residual_out_ptr + at, s, mask=mask)
+        sf = s.to(tl.float32)
+        normed = (sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)).to(dtype)
+        tl.store(out_ptr + at, (normed.to(tl.float32) * w).to(dtype), mask=mask)
 
 
 def push_sum(x: torch.Tensor, out: torch.Tensor, *, rank: int, world: int, slot_ptrs: torch.Tensor,
@@ -171,3 +219,27 @@ def push_two_shot(x: torch.Tensor, out: torch.Tensor, *, rank: int, world: int, 
     _push_two_shot_kernel[(counts.numel(),)](x, out, slot_ptrs, flag_ptrs, counts, x.numel() // world, slot_numel,
                                              RANK=rank, WORLD=world, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
+
+
+# A program holds a row in registers (fp32): past this it would spill.
+MAX_NORM_HIDDEN = 16384
+
+
+def push_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, rank: int,
+                      world: int, slot_ptrs: torch.Tensor, flag_ptrs: torch.Tensor, counts: torch.Tensor,
+                      slot_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(s + residual) * weight, s + residual) where s is the sum of ``x`` [T, H] over the
+    ranks, as ``kernels/rms_norm.add_rms_norm`` after ``push_sum``; the memory as ``push_sum``'s
+    (and shared with it)."""
+    assert x.dim() == 2 and x.is_contiguous() and residual.is_contiguous(), (x.shape, x.stride(), residual.stride())
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+    T, H = x.shape
+    assert weight.shape == (H,) and weight.is_contiguous() and weight.dtype == x.dtype, (weight.shape, weight.dtype)
+    assert H <= MAX_NORM_HIDDEN and x.numel() <= slot_numel, (H, x.numel(), slot_numel)
+    assert slot_ptrs.dtype == flag_ptrs.dtype == counts.dtype == torch.int64
+    assert slot_ptrs.numel() == flag_ptrs.numel() == world and 0 <= rank < world
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    _push_add_rms_norm_kernel[(counts.numel(),)](
+        x, residual, weight, out, residual_out, slot_ptrs, flag_ptrs, counts, T, H, slot_numel, eps,
+        RANK=rank, WORLD=world, BLOCK_H=triton.next_power_of_2(H), num_warps=NUM_WARPS)
+    return out, residual_out

@@ -12,7 +12,7 @@ Nothing here is global: a ``ParallelContext`` is built once per process and pass
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +182,17 @@ def tp_all_reduce(x: torch.Tensor, parallel: ParallelContext) -> torch.Tensor:
             return parallel.tp_reduce(x)
         dist.all_reduce(x, group=parallel.tp_group)
     return x
+
+
+def tp_sum_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                        parallel: ParallelContext, add_rms_norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add_rms_norm(tp_all_reduce(x), residual, weight, eps)``: the sum of a row-parallel
+    layer's partial rows, plus the residual, RMS-normed. Where the TP group's symmetric sums
+    take it, one kernel does all three (``kernels/push_sum.push_add_rms_norm``)."""
+    reduce = parallel.tp_reduce
+    if parallel.tp_size > 1 and reduce is not None and reduce.fits_norm(x, residual):
+        return reduce.push_add_rms_norm(x, residual, weight, eps)
+    return add_rms_norm(tp_all_reduce(x, parallel), residual, weight, eps)
 
 
 def tp_gather_list(x: torch.Tensor, parallel: ParallelContext) -> list[torch.Tensor]:

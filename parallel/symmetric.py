@@ -26,7 +26,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from pipeserve.kernels.push_sum import push_sum, push_two_shot
+from pipeserve.kernels.push_sum import MAX_NORM_HIDDEN, push_add_rms_norm, push_sum, push_two_shot
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +96,13 @@ class _PushState:
         kernel = push_two_shot if self.two_shot else push_sum
         return kernel(x, torch.empty_like(x), rank=self.rank, world=self.world, slot_ptrs=self.slot_ptrs,
                       flag_ptrs=self.flag_ptrs, counts=self.counts, slot_numel=self.slot_numel)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        assert x.dtype == self.slots.dtype and x.device == self.slots.device, (x.dtype, x.device)
+        return push_add_rms_norm(x, residual, weight, eps, rank=self.rank, world=self.world,
+                                 slot_ptrs=self.slot_ptrs, flag_ptrs=self.flag_ptrs, counts=self.counts,
+                                 slot_numel=self.slot_numel)
 
 
 class SymmetricAllReduce:
@@ -167,6 +174,17 @@ class SymmetricAllReduce:
         """The sum through ``kernels/push_sum``'s two-shot (``x.numel() <= push_two_shot_max_numel``,
         a multiple of the group's size)."""
         return self._push_two_shot(x)
+
+    def fits_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        """Whether ``push_add_rms_norm`` takes ``x`` (the sum's rows) and ``residual``."""
+        return (residual is not None and x.dim() == 2 and x.shape[1] <= MAX_NORM_HIDDEN
+                and x.numel() <= self.push_max_numel and self.fits(x) and residual.is_contiguous())
+
+    def push_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum + residual) * weight, sum + residual), the sum of ``x`` over the group, in
+        one kernel (``fits_norm(x, residual)`` must hold)."""
+        return self._push.add_rms_norm(x, residual, weight, eps)
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         """The sum with every peer's rows read whole (``x`` copied into the buffer), at any size

@@ -478,12 +478,18 @@ class RowParallelLinear(_Quantizable):
                 p.tp_size, p.tp_rank, self.cols,
             )  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, reduce: bool = True) -> torch.Tensor:
+        """``reduce=False``: this rank's partial product, for the caller to sum (no bias; not
+        under ``InvariantNumerics``)."""
         # x: [T, in_local] -> [T, out]
         if self.numerics is not None:
+            assert reduce, "deterministic numerics sum inside the layer"
             return self._forward_invariant(x)
         if self.parallel.tp_size == 1:
             return self._product(x, self.bias)
+        if not reduce:
+            assert self.bias is None, "a partial product has no bias"
+            return self._product(x, None)
         y = tp_all_reduce(self._product(x, None), self.parallel)
         return y if self.bias is None else y + self.bias
 

@@ -58,7 +58,7 @@ def copy_bandwidth(device: torch.device, gib: float = 2.0, repeats: int = 10) ->
 # attention kernel whose template arguments name cutlass types is attention, not GEMM. The
 # Triton kernels are kernels/*.py's: _paged_attention_kernel, _add_rms_norm_kernel,
 # _rope_kernel, _silu_mul_kernel, _write_kv_kernel, _matmul_kernel (batch-invariant GEMM), and the
-# TP sums' _push_sum_kernel (a collective).
+# TP sums' _push_sum_kernel and _push_add_rms_norm_kernel (a sum with the next norm: collective).
 KERNEL_CATEGORIES = (
     ("collective", ("nccl", "allreduce", "all_reduce", "allgather", "cross_device_reduce", "_push_")),
     ("attention", ("attention", "flash_fwd", "fmha")),

@@ -45,7 +45,7 @@ from torch import nn
 from pipeserve.kernels import KernelOps, torch_ops
 from pipeserve.kernels.attention_metadata import AttentionMetadata
 from pipeserve.kernels.reference import gelu_tanh_mul_reference
-from pipeserve.parallel.context import ParallelContext, tp_all_reduce, tp_argmax
+from pipeserve.parallel.context import ParallelContext, tp_all_reduce, tp_argmax, tp_sum_add_rms_norm
 from pipeserve.parallel.tp_layers import (
     FP8_DTYPE,
     InvariantNumerics,
@@ -370,7 +370,10 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
+        *,
+        reduce: bool = True,
     ) -> torch.Tensor:
+        """[T, H]: summed over the TP ranks, or with ``reduce=False`` this rank's partial rows."""
         # x: [T, H]; cos, sin: [T, d]; kv_cache: [2, num_blocks, block_size, kvh, d]
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -383,7 +386,7 @@ class Attention(nn.Module):
         q, k = self._rope(q, k, cos, sin, ops)
         ops.write_kv(k, v, kv_cache, meta.slot_mapping)
         o = ops.paged_attention(q, kv_cache, meta, self.scale, **self.attention_options)  # [T, h, d]
-        return self.o_proj(o.reshape(T, self.q_size))  # [T, H]
+        return self.o_proj(o.reshape(T, self.q_size), reduce=reduce)  # [T, H]
 
     def _rope(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops: KernelOps
@@ -418,12 +421,13 @@ class MLP(nn.Module):
             "up_proj": ("gate_up_proj", 1),
         }
 
-    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: KernelOps, *, reduce: bool = True) -> torch.Tensor:
+        """[T, H]: summed over the TP ranks, or with ``reduce=False`` this rank's partial rows."""
         # x: [T, H]
         gate_up = self.gate_up_proj(x)  # [T, 2I_local]
         if self.hidden_act == "silu":
-            return self.down_proj(ops.silu_mul(gate_up))  # [T, H]
-        return self.down_proj(gelu_tanh_mul_reference(gate_up))  # [T, H]
+            return self.down_proj(ops.silu_mul(gate_up), reduce=reduce)  # [T, H]
+        return self.down_proj(gelu_tanh_mul_reference(gate_up), reduce=reduce)  # [T, H]
 
 
 # An expert's HF projection names (Mixtral's w1/w3/w2, Qwen3-MoE's) -> its part in ``MoE``.
@@ -458,7 +462,8 @@ class MoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(E, 2 * local, H))
         self.w2 = nn.Parameter(torch.empty(E, H, local))
 
-    def forward(self, x: torch.Tensor, ops: KernelOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: KernelOps, *, reduce: bool = True) -> torch.Tensor:
+        """[T, H]: summed over the TP ranks, or with ``reduce=False`` this rank's partial rows."""
         # x: [T, H]
         probs = torch.softmax(self.gate(x).float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
@@ -467,7 +472,7 @@ class MoE(nn.Module):
         if self.round_weights:
             weights = weights.to(x.dtype)
         out = ops.moe_experts(x, self.w13, self.w2, ids, weights)  # [T, H], this rank's share
-        return out if self.parallel.tp_size == 1 else tp_all_reduce(out, self.parallel)
+        return out if self.parallel.tp_size == 1 or not reduce else tp_all_reduce(out, self.parallel)
 
     def hf_param(self, parts: list[str]) -> tuple[str, tuple[int, str]] | None:
         """(our parameter, (expert, "gate" | "up" | "down")) for an expert's tensor named
@@ -514,7 +519,12 @@ def hf_mlp_shapes(config: ModelConfig, prefix: str) -> dict[str, tuple[int, ...]
 
 class DecoderLayer(nn.Module):
     """Global layer ``layer``. Gemma's post_attention_layernorm norms the attention's output
-    before the residual add, and the MLP has a norm of its own before and after."""
+    before the residual add, and the MLP has a norm of its own before and after.
+
+    With TP, a Llama-style layer can leave its two sums (after o_proj and after down_proj) to
+    the norm that follows each (``defer``): one kernel then sums the partial rows, adds the
+    residual and norms (``tp_sum_add_rms_norm``). ``can_defer``: this layer's sums all feed a
+    norm with the residual (not Gemma's post-norms, not a biased o_proj's sum)."""
 
     def __init__(self, config: ModelConfig, parallel: ParallelContext, layer: int) -> None:
         super().__init__()
@@ -527,6 +537,8 @@ class DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = norm(H, eps) if config.is_gemma else None
         # Gemma 3's sliding-window layers turn RoPE on their own base.
         self.local_rope = config.local_rope_theta is not None and config.layer_window(layer) is not None
+        self.parallel = parallel
+        self.can_defer = not config.is_gemma and not config.o_proj_bias
 
     def forward(
         self,
@@ -537,18 +549,28 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         ops: KernelOps,
+        *,
+        summed: bool = True,
+        defer: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Pre-norm block; the residual stream is ``x + residual`` on entry and exit (residual
-        None: x alone)."""
-        x, residual = self.input_layernorm(x, residual, ops)
-        x = self.self_attn(x, cos, sin, kv_cache, meta, ops)
+        None: x alone), where ``x`` is the TP ranks' sum: summed already (``summed``), or this
+        rank's partial rows. ``defer`` (``can_defer`` layers): the returned ``x`` is partial."""
+        x, residual = self._norm(self.input_layernorm, x, residual, ops, summed)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, ops, reduce=not defer)
         if self.pre_feedforward_layernorm is None:
-            x, residual = self.post_attention_layernorm(x, residual, ops)
-            return self.mlp(x, ops), residual
+            x, residual = self._norm(self.post_attention_layernorm, x, residual, ops, not defer)
+            return self.mlp(x, ops, reduce=not defer), residual
         x, _ = self.post_attention_layernorm(x, None, ops)
         x, residual = self.pre_feedforward_layernorm(x, residual, ops)
         x, _ = self.post_feedforward_layernorm(self.mlp(x, ops), None, ops)
         return x, residual
+
+    def _norm(self, norm: RMSNorm | GemmaRMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+              ops: KernelOps, summed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if summed:
+            return norm(x, residual, ops)
+        return tp_sum_add_rms_norm(x, residual, norm.weight, norm.eps, self.parallel, ops.add_rms_norm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -640,14 +662,26 @@ class LlamaForCausalLM(nn.Module):
         rope = self.rotary_emb(positions, x.dtype, meta)  # cos, sin: [T, d] each
         local_rope = rope if self.local_rotary_emb is None else self.local_rotary_emb(positions, x.dtype, meta)
         residual = None
+        defer, summed = self._defers_sums(), True
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = local_rope if layer.local_rope else rope
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
-        if self.norm is not None:
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops, summed=summed, defer=defer)
+            summed = not defer
+        if self.norm is not None and summed:
             x, _ = self.norm(x, residual, self.ops)
+        elif self.norm is not None:
+            x, _ = tp_sum_add_rms_norm(x, residual, self.norm.weight, self.norm.eps, self.parallel,
+                                       self.ops.add_rms_norm)
         elif residual is not None:
-            x = x + residual
+            x = (x if summed else tp_all_reduce(x, self.parallel)) + residual
         return x
+
+    def _defers_sums(self) -> bool:
+        """Whether the layers leave their sums to the next norm (``DecoderLayer``): with TP, but
+        for the deterministic numerics, whose sums stay inside the layers. Where the TP group's
+        symmetric sums cannot fuse the norm, the norm sums first: the same operations as a
+        layer's own sum."""
+        return self.parallel.tp_size > 1 and self.ops.matmul is None and all(layer.can_defer for layer in self.layers)
 
     def set_ops(self, ops: KernelOps, *, reduction_splits: int = 1) -> None:
         """Run the hot operations through ``ops`` (torch references or Triton kernels).

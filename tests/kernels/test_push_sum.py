@@ -3,7 +3,10 @@ memory (their rows already pushed into this rank's slots, their flags already ra
 several calls: this rank's rows land in every peer's region for it, in the slot the call
 alternates to; its flags count the calls; the sum is the reference's, bit for bit. The same for
 the two-shot (``push_two_shot``: slices scattered, each rank's slice summed and gathered), with
-sums of other sizes one after another. In the Triton interpreter (float32) and natively on one GPU (float32 and bfloat16: the simulated peers are
+sums of other sizes one after another; and for the sum fused with the residual add and RMSNorm
+(``push_add_rms_norm``), called between plain sums on the same slots, flags and counts: its new
+residual is the reference's bit for bit, its norm the reference's to rounding (the squares may
+add in another order). In the Triton interpreter (float32) and natively on one GPU (float32 and bfloat16: the simulated peers are
 tensors on the same device). The peers' side runs on two GPUs in
 tests/mp/test_symmetric_allreduce.py."""
 
@@ -13,7 +16,7 @@ import pytest
 import torch
 from helpers_kernels import DEVICE, NATIVE, interpreter_array_warning, runs_triton
 
-from pipeserve.kernels.reference import push_sum_reference
+from pipeserve.kernels.reference import add_rms_norm_reference, push_sum_reference
 
 pytestmark = [runs_triton, interpreter_array_warning]
 # The interpreter's bfloat16 is wrong (numpy has none): float32 there.
@@ -107,3 +110,29 @@ def test_one_rank_of_a_two_shot_with_simulated_peers(world, rank, dtype):
                 assert torch.equal(got, want[rank * share:(rank + 1) * share])
                 assert (flags[peer].view(2, grid, world)[:, :, rank] == call).all()
         assert memory["counts"].tolist() == [call] * grid
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world,rank,H", [(2, 1, 48), (3, 2, 48), (2, 0, 4096)])
+def test_the_fused_norm_shares_the_sums_memory(world, rank, H, dtype):
+    from pipeserve.kernels.push_sum import push_add_rms_norm, push_sum
+
+    T, grid, eps = 7, 3, 1e-5  # 7 rows: three strides of the grid, the last partial
+    slot_numel = T * H + 64
+    slots, flags, memory = _memory(world, rank, slot_numel, grid, dtype)
+    g = torch.Generator().manual_seed(11 * world + rank)
+    weight = (torch.rand(H, generator=g) + 0.5).to(dtype).to(DEVICE)
+    for call, fused in ((1, False), (2, True), (3, True), (4, False)):
+        parts = [torch.randn(T, H, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+        _peers_push(slots, flags, parts, rank, call, slot_numel)
+        if fused:
+            residual = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+            normed, new_residual = push_add_rms_norm(parts[rank], residual, weight, eps, **memory)
+            want_normed, want_residual = add_rms_norm_reference(push_sum_reference(parts), residual, weight, eps)
+            assert torch.equal(new_residual, want_residual)
+            tol = {} if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(normed, want_normed, **tol)  # the squares' order: an ulp
+        else:
+            out = push_sum(parts[rank], torch.empty_like(parts[rank]), **memory)
+            assert torch.equal(out, push_sum_reference(parts))
+        _check_pushed(slots, flags, memory, parts[rank], call)

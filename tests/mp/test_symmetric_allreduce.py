@@ -4,8 +4,11 @@ the forward makes, eager and replayed inside a CUDA graph (twice, on other rows 
 push kernels' slots alternate and their flags count replays), equal the exact sum rounded once
 (what NCCL gives for two ranks); the forward's choice pushes up to 4 MB and takes the push's
 two-shot above; 32 sums of either push kernel back to back in one graph, sizes changing, one
-rank held back on its device, stay exact; a tensor the buffer cannot hold goes through NCCL. On
-CPU, ``create`` declines and the sums stay with the process group."""
+rank held back on its device, stay exact; a tensor the buffer cannot hold goes through NCCL. The
+sum fused with the residual add and RMSNorm (``push_add_rms_norm``, between plain pushes, eager
+and replayed) gives the exact sum plus the residual bit for bit, its norm within bf16's rounding
+of the torch reference's and the same bits on both ranks. On CPU, ``create`` declines and the
+sums stay with the process group."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pipeserve.kernels.reference import add_rms_norm_reference
 from pipeserve.parallel.context import ParallelContext, tp_all_reduce
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 
@@ -74,6 +78,7 @@ def _rank(rank: int, port: int, results) -> None:
                     replayed.append(torch.equal(summed, want))
                 out[(rows, how)] = (all(eager), all(replayed), rows * HIDDEN <= reduce.buffer.numel())
                 graph.reset()
+        out["fused"] = _fused(reduce, push, rank, device)
         out["auto pushed"] = sorted(set(pushed)), sorted(set(two_shot_pushed))
         out["burst"] = _burst(push, (1, 64, 512, 7), rank, device)
         out["burst two-shot"] = _burst(push_two_shot, (1024, 600, 2048, 8), rank, device)
@@ -81,6 +86,51 @@ def _rank(rank: int, port: int, results) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _fused(reduce: SymmetricAllReduce, push, rank: int, device) -> list:
+    """Per size: (residual exact, norm within rounding), eager and replayed, each fused call
+    after a plain push; and this rank's normed rows, for the ranks to compare."""
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    results = []
+    for rows in (1, 128, 512):  # the push's sizes (up to 4 MB)
+        calls = []
+        for k in range(3):
+            parts = [_inputs(rows, r, device) * (k + 1) for r in (0, 1)]
+            residual = _inputs(rows, 7, device) + k
+            total = (parts[0].float() + parts[1].float()).to(torch.bfloat16)
+            calls.append((parts[rank], residual, add_rms_norm_reference(total, residual, weight, 1e-5)))
+
+        def check(got, want):
+            return (torch.equal(got[1], want[1])
+                    and torch.allclose(got[0].float(), want[0].float(), rtol=1.6e-2, atol=1e-2))
+
+        def step(x, residual):
+            push(x)  # a plain sum between: the two kernels share the slots and counts
+            return reduce.push_add_rms_norm(x, residual, weight, 1e-5)
+
+        assert reduce.fits_norm(calls[0][0], calls[0][1])
+        eager = [check(step(x, r), want) for x, r, want in calls]
+        static_x, static_r = calls[0][0].clone(), calls[0][1].clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(static_x.clone(), static_r.clone())
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            got = step(static_x, static_r)
+        replayed = []
+        for x, r, want in calls[1:]:
+            static_x.copy_(x)
+            static_r.copy_(r)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed.append(check(got, want))
+        results.append((rows, all(eager), all(replayed), got[0].cpu()))
+        graph.reset()
+    return results
 
 
 def _burst(push, rows: tuple, rank: int, device) -> bool:
@@ -127,6 +177,9 @@ def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    for (rows, eager, replayed, normed), (_, _, _, peers) in zip(got[0].pop("fused"), got[1].pop("fused")):
+        assert eager and replayed, rows
+        assert torch.equal(normed, peers), rows  # both ranks the same bits
     for rank in (0, 1):
         assert got[rank].pop("burst") and got[rank].pop("burst two-shot"), rank
         # up to 4 MB the push, above it the push's two-shot up to the buffer's 16 MB

@@ -34,6 +34,7 @@ from helpers_model import (
 
 from pipeserve.kernels.reference import race_max_reference
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, tp_argmax
+from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.parallel.stage_plan import plan_stages
 from pipeserve.parallel.tp_layers import shard_heads, split_evenly, split_sizes
 from pipeserve.runtime.model import weights as weights_module
@@ -174,9 +175,11 @@ def _rank_main(
 ):
     """One rank: load this rank's slice of the checkpoint in ``folder`` (SMOLLM2: the embedded
     GGUF, all layers), run the plan, save what the parent checks. On "cuda", rank r uses GPU r
-    and NCCL."""
+    and NCCL; on "cuda+symmetric" the forward's sums go through symmetric memory too (the push
+    kernel, and the norms fused with it: ``fused`` counts those)."""
     torch.set_num_threads(1)
-    if device == "cuda":
+    symmetric = device == "cuda+symmetric"
+    if device.startswith("cuda"):
         device = f"cuda:{rank}"
         torch.cuda.set_device(device)
     dist.init_process_group(
@@ -188,6 +191,14 @@ def _rank_main(
     )
     try:
         parallel = build_parallel_context(tp, pp)
+        fused = [0]
+        if symmetric:
+            reduce = SymmetricAllReduce.create(parallel.tp_group, max_numel=64 * 1024, dtype=torch.float32,
+                                               device=torch.device(device))
+            assert reduce is not None and reduce.push_max_numel > 0
+            push_add_rms_norm = reduce.push_add_rms_norm
+            reduce.push_add_rms_norm = lambda *a: fused.__setitem__(0, fused[0] + 1) or push_add_rms_norm(*a)
+            parallel = dataclasses.replace(parallel, tp_reduce=reduce)
         num_read = [0]
         if folder == SMOLLM2:
             model = _load_smollm2(parallel)
@@ -203,6 +214,7 @@ def _rank_main(
             "races": [t.cpu() for t in races],
             "numels": {n: p.numel() for n, p in model.named_parameters()},
             "num_read": num_read[0],
+            "fused": fused[0],
             "num_local_kv_heads": model.num_local_kv_heads,
             "is_last_stage": parallel.is_last_stage,
             "stage": parallel.stage,
@@ -575,6 +587,23 @@ def test_tp_argmax_is_the_argmax_of_the_whole_row(tmp_path, tp):
     assert want.tolist() == [2, 6, 10, 0, 1, 0]
     for r in range(tp):
         assert torch.equal(torch.load(tmp_path / f"argmax{r}.pt"), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+)
+@pytest.mark.parametrize("kind", ["llama", "mixtral"])
+def test_gpu_symmetric_sums_with_fused_norms(tmp_path, kind):
+    """tp=2 on GPUs with the sums through symmetric memory: every norm after a layer's sum is the
+    push kernel's fused one (two a layer, and the final norm), float32 against the CPU
+    references."""
+    folder = write_tiny_checkpoint(tmp_path / "ckpt", kind, seed=8)
+    results = run_ranks(tmp_path, folder, tp=2, device="cuda+symmetric")
+    check_logits(results, folder, atol=1e-3)
+    layers = ModelConfig.from_hf_folder(folder).num_hidden_layers
+    for res in results:  # a step's norms but the first layer's input norm (the embedding's)
+        assert res["fused"] == len(STEPS) * 2 * layers, res["fused"]
 
 
 # --- pure pieces (no processes) -------------------------------------------------------------------

@@ -35,6 +35,7 @@ NAMED = [
     ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "collective"),
     ("void c10d::symmetric_memory::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2>(...)", "collective"),
     ("_push_sum_kernel", "collective"),
+    ("_push_add_rms_norm_kernel", "collective"),  # the sum with the next norm: counted as the sum
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>(int, ...)", "other"),
     ("Memcpy HtoD (Pinned -> Device)", "other"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<c10::BFloat16, at::native::ArgMaxOps>>", "other"),
