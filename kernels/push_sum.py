@@ -38,8 +38,8 @@ Torch reference: the rows of every rank summed in float32 in rank order, rounded
 plus the residual, RMS-normed (``kernels/rms_norm``'s numerics), so a row-parallel layer's
 partial rows go straight to the next norm and the sum's output makes no round trip through
 memory into a separate norm kernel. Its programs cover whole rows (a row's norm needs all of
-it); the two kernels share one rank's slots, flags and counts, any sequence of them in the same
-order on every rank.
+it); it and ``push_sum`` share one rank's slots, flags and counts (``push_two_shot`` has its
+own), any sequence of the two in the same order on every rank.
 
 Torch reference: ``add_rms_norm_reference(push_sum_reference(parts), residual, weight, eps)``:
 the same roundings; the sum of squares may add in another order (an ulp).
@@ -123,7 +123,7 @@ def _push_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     for row in range(pid, T, programs):  # rows pid, pid + programs, ...: the same on every rank
-        at = row * H + cols  # int32: a slot holds at most 8 MB
+        at = row * H + cols  # int32: within a slot, below 2**31 elements (the push's is 4 MB)
         v = tl.load(x_ptr + at, mask=mask)
         for k in tl.static_range(1, WORLD):
             peer = (RANK + k) % WORLD

@@ -99,6 +99,8 @@ class _PushState:
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The push's sum fused with the next residual add and RMSNorm, on the push's memory."""
+        assert not self.two_shot, "the fused norm indexes the push's layout, not the two-shot's"
         assert x.dtype == self.slots.dtype and x.device == self.slots.device, (x.dtype, x.device)
         return push_add_rms_norm(x, residual, weight, eps, rank=self.rank, world=self.world,
                                  slot_ptrs=self.slot_ptrs, flag_ptrs=self.flag_ptrs, counts=self.counts,

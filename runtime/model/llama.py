@@ -24,7 +24,8 @@ one [E, ...] tensor per projection kind (``ops.moe_experts`` runs them grouped b
 
 Tensor parallelism lives in the layers (``pipeserve.parallel.tp_layers``): attention heads and
 the MLP's intermediate features are split over the TP ranks of a stage (column-parallel in,
-row-parallel out, one all-reduce each), the embedding and LM head over the vocabulary; an
+row-parallel out, one all-reduce each, which a Llama-style layer leaves to the norm after it:
+``DecoderLayer``), the embedding and LM head over the vocabulary; an
 MoE splits every expert's intermediate features the way the MLP splits its own. The
 residual stream [T, H] is whole on every TP rank. With one TP rank the layers are plain
 ``nn.Linear`` / ``nn.Embedding``. With ``ModelConfig.quantization == "fp8"`` the attention and
@@ -566,10 +567,11 @@ class DecoderLayer(nn.Module):
         x, _ = self.post_feedforward_layernorm(self.mlp(x, ops), None, ops)
         return x, residual
 
-    def _norm(self, norm: RMSNorm | GemmaRMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+    def _norm(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
               ops: KernelOps, summed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if summed:
             return norm(x, residual, ops)
+        assert isinstance(norm, RMSNorm), "only Llama-style norms take a deferred sum (can_defer)"
         return tp_sum_add_rms_norm(x, residual, norm.weight, norm.eps, self.parallel, ops.add_rms_norm)
 
 

@@ -6,8 +6,9 @@ push kernels' slots alternate and their flags count replays), equal the exact su
 two-shot above; 32 sums of either push kernel back to back in one graph, sizes changing, one
 rank held back on its device, stay exact; a tensor the buffer cannot hold goes through NCCL. The
 sum fused with the residual add and RMSNorm (``push_add_rms_norm``, between plain pushes, eager
-and replayed) gives the exact sum plus the residual bit for bit, its norm within bf16's rounding
-of the torch reference's and the same bits on both ranks. On CPU, ``create`` declines and the
+and replayed, and 16 of them between 16 pushes in one graph with a rank held back) gives the
+exact sum plus the residual bit for bit, its norm within bf16's rounding of the torch
+reference's and the same bits on both ranks. On CPU, ``create`` declines and the
 sums stay with the process group."""
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def _rank(rank: int, port: int, results) -> None:
                 out[(rows, how)] = (all(eager), all(replayed), rows * HIDDEN <= reduce.buffer.numel())
                 graph.reset()
         out["fused"] = _fused(reduce, push, rank, device)
+        out["burst fused"] = _burst_fused(reduce, rank, device)
         out["auto pushed"] = sorted(set(pushed)), sorted(set(two_shot_pushed))
         out["burst"] = _burst(push, (1, 64, 512, 7), rank, device)
         out["burst two-shot"] = _burst(push_two_shot, (1024, 600, 2048, 8), rank, device)
@@ -162,6 +164,49 @@ def _burst(push, rows: tuple, rank: int, device) -> bool:
     return ok
 
 
+def _burst_fused(reduce: SymmetricAllReduce, rank: int, device) -> bool:
+    """``_burst`` with the pushes alternating with fused sums + norms on the same slots and
+    counts (the kernels cover the rows differently: blocks against whole rows), of 1, 64, 512
+    and 7 rows, rank 1 held back: every sum and new residual exact, every norm within rounding."""
+    g = torch.Generator().manual_seed(9)
+    weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).to(device)
+    sizes = [(1, 64, 512, 7)[k % 4] for k in range(32)]
+    inputs = [[_inputs(rows, r, device) * (k + 1) for r in (0, 1)] for k, rows in enumerate(sizes)]
+    residuals = [_inputs(rows, 7, device) + k for k, rows in enumerate(sizes)]
+    totals = [(a.float() + b.float()).to(torch.bfloat16) for a, b in inputs]
+    statics = [parts[rank].clone() for parts in inputs]
+
+    def calls():
+        return [reduce.push(x) if k % 2 == 0 else reduce.push_add_rms_norm(x, residuals[k], weight, 1e-5)
+                for k, x in enumerate(statics)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        calls()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = calls()
+    ok = True
+    for _ in range(2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 1:
+            torch.cuda._sleep(50_000_000)  # ~25 ms of device time before its first sum
+        graph.replay()
+        torch.cuda.synchronize()
+        for k, out in enumerate(outs):
+            if k % 2 == 0:
+                ok = ok and torch.equal(out, totals[k])
+                continue
+            normed, new_residual = add_rms_norm_reference(totals[k], residuals[k], weight, 1e-5)
+            ok = ok and torch.equal(out[1], new_residual) and torch.allclose(
+                out[0].float(), normed.float(), rtol=1.6e-2, atol=1e-2)
+    graph.reset()
+    return ok
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
@@ -181,7 +226,7 @@ def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
         assert eager and replayed, rows
         assert torch.equal(normed, peers), rows  # both ranks the same bits
     for rank in (0, 1):
-        assert got[rank].pop("burst") and got[rank].pop("burst two-shot"), rank
+        assert got[rank].pop("burst") and got[rank].pop("burst two-shot") and got[rank].pop("burst fused"), rank
         # up to 4 MB the push, above it the push's two-shot up to the buffer's 16 MB
         assert got[rank].pop("auto pushed") == ([1, 128, 512], [513, 1025, 2048]), rank
         for (rows, how), (eager, replayed, symmetric_path) in got[rank].items():
