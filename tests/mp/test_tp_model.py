@@ -171,12 +171,14 @@ class _CountingSlice:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, tp: int, pp: int, folder: str, out: str, device: str
+    rank: int, world_size: int, port: int, tp: int, pp: int, folder: str, out: str, device: str,
+    fuse_rows: int | None = None,
 ):
     """One rank: load this rank's slice of the checkpoint in ``folder`` (SMOLLM2: the embedded
     GGUF, all layers), run the plan, save what the parent checks. On "cuda", rank r uses GPU r
     and NCCL; on "cuda+symmetric" the forward's sums go through symmetric memory too (the push
-    kernel, and the norms fused with it: ``fused`` counts those)."""
+    kernel, and the norms fused with it: ``fused`` counts those; ``fuse_rows``: only up to that
+    many rows, as if the push stopped there, the rest summed first and then normed)."""
     torch.set_num_threads(1)
     symmetric = device == "cuda+symmetric"
     if device.startswith("cuda"):
@@ -196,8 +198,10 @@ def _rank_main(
             reduce = SymmetricAllReduce.create(parallel.tp_group, max_numel=64 * 1024, dtype=torch.float32,
                                                device=torch.device(device))
             assert reduce is not None and reduce.push_max_numel > 0
-            push_add_rms_norm = reduce.push_add_rms_norm
+            push_add_rms_norm, fits_norm = reduce.push_add_rms_norm, reduce.fits_norm
             reduce.push_add_rms_norm = lambda *a: fused.__setitem__(0, fused[0] + 1) or push_add_rms_norm(*a)
+            if fuse_rows is not None:
+                reduce.fits_norm = lambda x, residual: x.shape[0] <= fuse_rows and fits_norm(x, residual)
             parallel = dataclasses.replace(parallel, tp_reduce=reduce)
         num_read = [0]
         if folder == SMOLLM2:
@@ -216,6 +220,7 @@ def _rank_main(
             "num_read": num_read[0],
             "fused": fused[0],
             "num_local_kv_heads": model.num_local_kv_heads,
+            "num_layers": len(model.layers),
             "is_last_stage": parallel.is_last_stage,
             "stage": parallel.stage,
         }
@@ -259,12 +264,12 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    tmp_path: Path, folder: Path, *, tp: int, pp: int = 1, device: str = "cpu"
+    tmp_path: Path, folder: Path, *, tp: int, pp: int = 1, device: str = "cpu", fuse_rows: int | None = None
 ) -> list[dict]:
     """Start tp * pp ranks, wait (bounded) for all, return each one's result."""
     world_size = tp * pp
     port = _free_port()
-    args = (world_size, port, tp, pp, str(folder), str(tmp_path), device)
+    args = (world_size, port, tp, pp, str(folder), str(tmp_path), device, fuse_rows)
     procs = [
         CTX.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(world_size)
     ]
@@ -590,20 +595,24 @@ def test_tp_argmax_is_the_argmax_of_the_whole_row(tmp_path, tp):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
-)
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
-def test_gpu_symmetric_sums_with_fused_norms(tmp_path, kind):
-    """tp=2 on GPUs with the sums through symmetric memory: every norm after a layer's sum is the
-    push kernel's fused one (two a layer, and the final norm), float32 against the CPU
-    references."""
+@pytest.mark.parametrize(("pp", "fuse_rows"), [(1, None), (1, 8), (2, None)])
+def test_gpu_symmetric_sums_with_fused_norms(tmp_path, kind, pp, fuse_rows):
+    """tp=2 (× pp) on GPUs with the sums through symmetric memory, float32 against the CPU
+    references: every norm after a layer's sum is the push kernel's fused one (two a layer and
+    the final norm, but a stage's first input norm, which follows the embedding or the stage
+    before; a stage's last sum goes out summed). ``fuse_rows``: steps of more rows sum first
+    and then norm, steps of fewer fuse, in the same run."""
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2 * pp:
+        pytest.skip(f"needs {2 * pp} GPUs")
     folder = write_tiny_checkpoint(tmp_path / "ckpt", kind, seed=8)
-    results = run_ranks(tmp_path, folder, tp=2, device="cuda+symmetric")
+    results = run_ranks(tmp_path, folder, tp=2, pp=pp, device="cuda+symmetric", fuse_rows=fuse_rows)
     check_logits(results, folder, atol=1e-3)
-    layers = ModelConfig.from_hf_folder(folder).num_hidden_layers
-    for res in results:  # a step's norms but the first layer's input norm (the embedding's)
-        assert res["fused"] == len(STEPS) * 2 * layers, res["fused"]
+    fusing = [s for s in STEPS if fuse_rows is None or sum(n for _, n in s) <= fuse_rows]
+    assert fusing  # (8 rows: the decode steps)
+    for res in results:
+        per_step = 2 * res["num_layers"] - (0 if res["is_last_stage"] else 1)
+        assert res["fused"] == len(fusing) * per_step, (res["stage"], res["fused"])
 
 
 # --- pure pieces (no processes) -------------------------------------------------------------------
