@@ -60,10 +60,18 @@ else
   NGPU=$(nvidia-smi -L | wc -l)
   CARD=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 fi
-if [ -z "${LABEL:-}" ]; then  # a tree's own commit where it is a git checkout, else its folder's name
-  LABEL=$([ -e "$ROOT/.git" ] && git -C "$ROOT" rev-parse --short HEAD 2>/dev/null)
-  [ -n "$LABEL" ] || { [ "$ROOT" = "$REPO" ] && LABEL=this-tree || LABEL=$(basename "$ROOT" | sed "s|^\.||"); }
-fi
+tree_label() {  # a checkout's commit, "+changes" where its files differ from it, else its folder's name
+  # (the device machine's copy of .git can lag the files sent with each call: pass LABEL= there)
+  local c
+  c=$([ -e "$1/.git" ] && git -C "$1" rev-parse --short HEAD 2>/dev/null)
+  if [ -n "$c" ]; then
+    [ -z "$(git -C "$1" status --porcelain --untracked-files=no 2>/dev/null)" ] || c="$c+changes"
+    echo "$c"
+  elif [ "$1" = "$REPO" ]; then echo this-tree
+  else basename "$1" | sed "s|^\.||"
+  fi
+}
+LABEL=${LABEL:-$(tree_label "$ROOT")}
 BASE=/tmp/gpu_runs
 MODEL_DIR=$BASE/llama3-8b   # bench_peers' model folder: its random weights are written once, then reused
 
@@ -305,7 +313,7 @@ pairs() {  # ~1.5 min a workload and round: the two trees at once at tp=TP (defa
   before=$(cd "$BEFORE" && pwd) || return 0
   [ -n "$DRY" ] || { mkdir -p /tmp/pkg-before && ln -sfn "$before" /tmp/pkg-before/pipeserve; }
   rm -rf "${DIR:?}"/pairs-*   # an earlier invocation's runs would show under this one's trees
-  { echo "this $LABEL"; echo "before $([ -e "$before/.git" ] && git -C "$before" rev-parse --short HEAD 2>/dev/null || basename "$before" | sed "s|^\.||")"
+  { echo "this $LABEL"; echo "before $(tree_label "$before")"
     echo "tp $tp"; } >"$DIR/pairs.trees"
   ga=$(seq -s, 0 $((tp - 1))) gb=$(seq -s, "$tp" $((2 * tp - 1)))
   for w in ${WORKLOADS:-decode-heavy uniform}; do
