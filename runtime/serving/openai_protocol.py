@@ -4,7 +4,7 @@ Requests are parsed from the raw JSON bytes with pydantic in strict mode: a wron
 error rather than a silent coercion ("10" is not 10), and OpenAI fields we do not implement are
 accepted only at their no-op values. Unknown fields are accepted and ignored, as vLLM does
 (benchmark clients and SDKs send their own extras); ``ignored_fields`` names them so the server
-can say so in its log. Value ranges (temperature, top_p, max_tokens, n, stop, logprobs …) are
+can say so in its log. Value ranges (``temperature``, ``top_p``, ``max_tokens``, ``n``, ``stop``, ``logprobs`` …) are
 checked once, by ``SamplingParams``.
 """
 
@@ -287,14 +287,14 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    """End the prompt with the template's opening of an assistant turn."""
+    """End the prompt with the template's opening of an assistant message."""
     continue_final_message: bool = False
-    """Render the last message open (no end-of-turn after it), so the answer continues it."""
+    """Render the last message open (no end-of-message marker after it), so the answer continues it."""
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (e.g. {"enable_thinking": false})."""
     special_tokens_in_content: bool = False
     """Let a special token's text in a message's content become that token (raw control of the
-    prompt); by default it stays text, so content cannot open a turn of its own."""
+    prompt); by default it stays text, so content cannot open a message of its own."""
     tools: list[Tool] | None = None
     """Functions the model may call; the chat template renders them."""
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

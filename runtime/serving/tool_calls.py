@@ -113,7 +113,7 @@ class _JsonReader:
         self.done = self.broken = False
 
     def read(self, text: str) -> tuple[str, int]:
-        """(what ``text`` writes, how many of its characters were read). Reading stops at the
+        """(what ``text`` writes, how many of its characters were read). Reading ends at the
         value's end (``done``), at a character JSON does not allow there (``broken``), or before a
         token that ``text`` does not hold whole."""
         out, pos = [], 0
@@ -368,7 +368,7 @@ class HermesParser(ToolCallParser):
 
 
 class _CallList(ToolCallParser):
-    """Calls written as JSON objects one after another: the first after one of ``FIRST``, each
+    """Tool calls written as JSON objects one after another: the first after one of ``FIRST``, each
     next after one of ``LATER``, then ``CLOSE`` (where the format has one). The first text that
     does not go on with tool calls ends them: from there on, the output is content as written. After
     a tool call's arguments, the rest of its object is dropped; once a tool call's JSON breaks, the rest
