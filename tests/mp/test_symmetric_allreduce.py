@@ -63,14 +63,7 @@ def _rank(rank: int, port: int, results) -> None:
                     continue
                 eager = [torch.equal(fn(x.clone()), want) for x, want in calls]
                 static = calls[0][0].clone()
-                graph = torch.cuda.CUDAGraph()
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    fn(static.clone())  # warm-up outside the capture
-                torch.cuda.current_stream().wait_stream(stream)
-                with torch.cuda.graph(graph, stream=stream):
-                    summed = fn(static)
+                graph, summed = _captured(lambda: fn(static.clone()), lambda: fn(static))
                 replayed = []
                 for x, want in calls[1:]:
                     static.copy_(x)
@@ -88,6 +81,20 @@ def _rank(rank: int, port: int, results) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _captured(warm_up, capture):
+    """``warm_up()`` on a side stream (compiling outside the capture), then ``capture()`` captured
+    in a CUDA graph on it: (the graph, what ``capture`` returned: the outputs each replay refills)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm_up()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = capture()
+    return graph, outs
 
 
 def _fused(reduce: SymmetricAllReduce, push, rank: int, device) -> list:
@@ -115,14 +122,7 @@ def _fused(reduce: SymmetricAllReduce, push, rank: int, device) -> list:
         assert reduce.fits_norm(calls[0][0], calls[0][1])
         eager = [check(step(x, r), want) for x, r, want in calls]
         static_x, static_r = calls[0][0].clone(), calls[0][1].clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step(static_x.clone(), static_r.clone())
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            got = step(static_x, static_r)
+        graph, got = _captured(lambda: step(static_x.clone(), static_r.clone()), lambda: step(static_x, static_r))
         replayed = []
         for x, r, want in calls[1:]:
             static_x.copy_(x)
@@ -143,14 +143,7 @@ def _burst(push, rows: tuple, rank: int, device) -> bool:
     inputs = [[_inputs(rows, r, device) * (k + 1) for r in (0, 1)] for k, rows in enumerate(sizes)]
     wants = [(a.float() + b.float()).to(torch.bfloat16) for a, b in inputs]
     statics = [parts[rank].clone() for parts in inputs]
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        push(statics[0].clone())  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = [push(x) for x in statics]
+    graph, outs = _captured(lambda: push(statics[0].clone()), lambda: [push(x) for x in statics])
     ok = True
     for _ in range(2):
         torch.cuda.synchronize()
@@ -180,14 +173,7 @@ def _burst_fused(reduce: SymmetricAllReduce, rank: int, device) -> bool:
         return [reduce.push(x) if k % 2 == 0 else reduce.push_add_rms_norm(x, residuals[k], weight, 1e-5)
                 for k, x in enumerate(statics)]
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        calls()  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = calls()
+    graph, outs = _captured(calls, calls)
     ok = True
     for _ in range(2):
         torch.cuda.synchronize()
