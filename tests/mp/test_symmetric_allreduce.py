@@ -97,6 +97,22 @@ def _captured(warm_up, capture):
     return graph, outs
 
 
+def _replayed_held_back(graph: torch.cuda.CUDAGraph, rank: int, check) -> bool:
+    """Two replays of ``graph`` after a barrier, rank 1 held back on its device before each (rank 0
+    runs ahead into the flags), ``check()`` after each; then the graph freed. Whether both held."""
+    ok = True
+    for _ in range(2):
+        torch.cuda.synchronize()
+        dist.barrier()
+        if rank == 1:
+            torch.cuda._sleep(50_000_000)  # ~25 ms of device time before its first sum
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = check() and ok
+    graph.reset()
+    return ok
+
+
 def _fused(reduce: SymmetricAllReduce, push, rank: int, device) -> list:
     """Per size: (residual exact, norm within rounding), eager and replayed, each fused call
     after a plain push; and this rank's normed rows, for the ranks to compare."""
@@ -144,17 +160,7 @@ def _burst(push, rows: tuple, rank: int, device) -> bool:
     wants = [(a.float() + b.float()).to(torch.bfloat16) for a, b in inputs]
     statics = [parts[rank].clone() for parts in inputs]
     graph, outs = _captured(lambda: push(statics[0].clone()), lambda: [push(x) for x in statics])
-    ok = True
-    for _ in range(2):
-        torch.cuda.synchronize()
-        dist.barrier()
-        if rank == 1:
-            torch.cuda._sleep(50_000_000)  # ~25 ms of device time before its first push
-        graph.replay()
-        torch.cuda.synchronize()
-        ok = ok and all(torch.equal(o, w) for o, w in zip(outs, wants))
-    graph.reset()
-    return ok
+    return _replayed_held_back(graph, rank, lambda: all(torch.equal(o, w) for o, w in zip(outs, wants)))
 
 
 def _burst_fused(reduce: SymmetricAllReduce, rank: int, device) -> bool:
@@ -174,14 +180,9 @@ def _burst_fused(reduce: SymmetricAllReduce, rank: int, device) -> bool:
                 for k, x in enumerate(statics)]
 
     graph, outs = _captured(calls, calls)
-    ok = True
-    for _ in range(2):
-        torch.cuda.synchronize()
-        dist.barrier()
-        if rank == 1:
-            torch.cuda._sleep(50_000_000)  # ~25 ms of device time before its first sum
-        graph.replay()
-        torch.cuda.synchronize()
+
+    def check() -> bool:
+        ok = True
         for k, out in enumerate(outs):
             if k % 2 == 0:
                 ok = ok and torch.equal(out, totals[k])
@@ -189,8 +190,9 @@ def _burst_fused(reduce: SymmetricAllReduce, rank: int, device) -> bool:
             normed, new_residual = add_rms_norm_reference(totals[k], residuals[k], weight, 1e-5)
             ok = ok and torch.equal(out[1], new_residual) and torch.allclose(
                 out[0].float(), normed.float(), rtol=1.6e-2, atol=1e-2)
-    graph.reset()
-    return ok
+        return ok
+
+    return _replayed_held_back(graph, rank, check)
 
 
 @pytest.mark.gpu
