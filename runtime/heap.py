@@ -5,9 +5,8 @@ tracks, and after start-up a worker tracks a great many: torch's, Triton's and t
 modules, the compiled kernels, the captured graphs. The imports alone leave about 190,000, which
 one full collection takes 70–90 ms to walk on a two-core machine. While a worker collects it
 launches nothing, so its device idles, and a TP peer waits for it inside the next sum: such
-collections, triggered by allocations every few hundred steps, stopped tp=2 runs for 100–150 ms
-a few times each, until the workers froze their heaps (BENCHMARKS.md, "Stalls between tp=2
-steps").
+collections, triggered by allocations every few hundred steps, stop a tp=2 run for 100–150 ms a
+few times unless the heap is frozen (BENCHMARKS.md, "Stalls between tp=2 steps").
 
 ``freeze_start_up_heap`` collects once and moves every object that survives into the
 interpreter's permanent generation (``gc.freeze``): later collections walk only what the

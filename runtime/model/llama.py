@@ -628,6 +628,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(config, parallel, layer) for layer in range(start_layer, end_layer)
         )
         self.num_layers = end_layer - start_layer  # one KV cache each
+        self.layers_can_defer = all(layer.can_defer for layer in self.layers)  # (``_defers_sums``)
         self.norm = self.lm_head = None
         if end_layer == num_layers:
             self.norm = norm_class(config)(config.hidden_size, config.rms_norm_eps)
@@ -683,7 +684,7 @@ class LlamaForCausalLM(nn.Module):
         for the deterministic numerics, whose sums stay inside the layers. Where the TP group's
         symmetric sums cannot fuse the norm, the norm sums first: the same operations as a
         layer's own sum."""
-        return self.parallel.tp_size > 1 and self.ops.matmul is None and all(layer.can_defer for layer in self.layers)
+        return self.parallel.tp_size > 1 and self.ops.matmul is None and self.layers_can_defer
 
     def set_ops(self, ops: KernelOps, *, reduction_splits: int = 1) -> None:
         """Run the hot operations through ``ops`` (torch references or Triton kernels).
