@@ -41,8 +41,16 @@ memory into a separate norm kernel. Its programs cover whole rows (a row's norm 
 it); it and ``push_sum`` share one rank's slots, flags and counts (``push_two_shot`` has its
 own), any sequence of the two in the same order on every rank.
 
-Torch reference: ``add_rms_norm_reference(push_sum_reference(parts), residual, weight, eps)``:
-the same roundings; the sum of squares may add in another order (an ulp).
+``push_two_shot_add_rms_norm`` fuses the same norm behind the two-shot, for sums above the
+push's sizes, on ``push_two_shot``'s memory (shared with it). Its slices are whole rows
+(``two_shot_norm_rows`` each, the last slice shorter or empty): each rank stores slice k of its
+rows into rank k's scatter region; sums, adds and norms its own slice; stores the slice's new
+residual rows (not the normed ones: half the bytes) into every peer's gather region; and norms
+the peers' slices out of its own gather region. The rows cross NVLink as the plain two-shot's
+do, and the sum's output never goes through memory into a separate norm kernel.
+
+Torch reference of both: ``add_rms_norm_reference(push_sum_reference(parts), residual, weight,
+eps)``: the same roundings; the sum of squares may add in another order (an ulp).
 """
 
 from __future__ import annotations
@@ -82,6 +90,19 @@ def next_count(counts_ptr, pid):
 
 
 @triton.jit
+def sum_rows(x_ptr, x_at, peers_ptr, region, peer_at, mask, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Every rank's copy of some elements summed in float32, in rank order (every rank rounds
+    the same sum): this rank's at ``x_ptr + x_at``, rank r's at ``peers_ptr + r * region + peer_at``."""
+    acc = tl.zeros(x_at.shape, dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        if r == RANK:
+            acc += tl.load(x_ptr + x_at, mask=mask, other=0.0).to(tl.float32)
+        else:  # .cg: the peer's stores, not a line this SM cached two sums ago
+            acc += tl.load(peers_ptr + r * region + peer_at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+    return acc
+
+
+@triton.jit
 def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, slot_numel,
                      RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
@@ -102,13 +123,27 @@ def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, sl
     for start in range(pid * BLOCK, numel, step):
         idx = start + offs
         mask = idx < numel
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
-            if r == RANK:
-                acc += tl.load(x_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            else:  # .cg: the peer's stores, not a line this SM cached two sums ago
-                acc += tl.load(own + r * slot_numel + idx, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc = sum_rows(x_ptr, idx, own, slot_numel, idx, mask, RANK, WORLD)
         tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def add_residual(acc, residual_ptr, at, mask):
+    """The sum rounded as ``push_sum`` rounds it, plus the residual rounded as ``rms_norm`` does:
+    the new residual, in the activation dtype."""
+    dtype = residual_ptr.dtype.element_ty
+    return (acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + at, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def store_rms_norm(s, w, out_ptr, residual_out_ptr, at, mask, H, eps):
+    """Store the new residual row ``s`` and its RMSNorm times ``w`` (float32), ``kernels/rms_norm``'s
+    numerics."""
+    dtype = out_ptr.dtype.element_ty
+    tl.store(residual_out_ptr + at, s, mask=mask)
+    sf = s.to(tl.float32)
+    normed = (sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)).to(dtype)
+    tl.store(out_ptr + at, (normed.to(tl.float32) * w).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -134,19 +169,24 @@ def _push_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, T, programs):
         at = row * H + cols
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # rank order, as push_sum
-            if r == RANK:
-                acc += tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
-            else:
-                acc += tl.load(own + r * slot_numel + at, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        # the sum rounded as push_sum rounds it, then x + residual rounded as rms_norm does
-        s = acc.to(dtype).to(tl.float32) + tl.load(residual_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        s = s.to(dtype)
-        tl.store(residual_out_ptr + at, s, mask=mask)
-        sf = s.to(tl.float32)
-        normed = (sf * tl.rsqrt(tl.sum(sf * sf, axis=0) / H + eps)).to(dtype)
-        tl.store(out_ptr + at, (normed.to(tl.float32) * w).to(dtype), mask=mask)
+        s = add_residual(sum_rows(x_ptr, at, own, slot_numel, at, mask, RANK, WORLD), residual_ptr, at, mask)
+        store_rms_norm(s, w, out_ptr, residual_out_ptr, at, mask, H, eps)
+
+
+def _check_memory(rank: int, world: int, slot_ptrs: torch.Tensor, flag_ptrs: torch.Tensor,
+                  counts: torch.Tensor) -> None:
+    assert slot_ptrs.dtype == flag_ptrs.dtype == counts.dtype == torch.int64
+    assert slot_ptrs.numel() == flag_ptrs.numel() == world and 0 <= rank < world
+
+
+def _check_norm_args(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> tuple[int, int]:
+    """(T, H) of the fused norms' rows [T, H], after checking the three tensors agree."""
+    assert x.dim() == 2 and x.is_contiguous() and residual.is_contiguous(), (x.shape, x.stride(), residual.stride())
+    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
+    T, H = x.shape
+    assert weight.shape == (H,) and weight.is_contiguous() and weight.dtype == x.dtype, (weight.shape, weight.dtype)
+    assert H <= MAX_NORM_HIDDEN, H
+    return T, H
 
 
 def push_sum(x: torch.Tensor, out: torch.Tensor, *, rank: int, world: int, slot_ptrs: torch.Tensor,
@@ -156,8 +196,7 @@ def push_sum(x: torch.Tensor, out: torch.Tensor, *, rank: int, world: int, slot_
     own (the grid is its length, the same on every rank)."""
     assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype
     assert x.numel() <= slot_numel, (x.numel(), slot_numel)
-    assert slot_ptrs.dtype == flag_ptrs.dtype == counts.dtype == torch.int64
-    assert slot_ptrs.numel() == flag_ptrs.numel() == world and 0 <= rank < world
+    _check_memory(rank, world, slot_ptrs, flag_ptrs, counts)
     _push_sum_kernel[(counts.numel(),)](x, out, slot_ptrs, flag_ptrs, counts, x.numel(), slot_numel,
                                         RANK=rank, WORLD=world, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
@@ -186,13 +225,7 @@ def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, shar
     for start in range(pid * BLOCK, share, step):  # my slice's sum -> my output, every gather region
         idx = start + offs
         mask = idx < share
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for r in tl.static_range(WORLD):  # rank order: every rank rounds the same sum
-            if r == RANK:
-                acc += tl.load(x_ptr + RANK * share + idx, mask=mask, other=0.0).to(tl.float32)
-            else:  # .cg: the peer's stores, not a line this SM cached two sums ago
-                acc += tl.load(own + r * share + idx, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        red = acc.to(dtype)
+        red = sum_rows(x_ptr, RANK * share + idx, own, share, idx, mask, RANK, WORLD).to(dtype)
         tl.store(out_ptr + RANK * share + idx, red, mask=mask)
         for k in tl.static_range(1, WORLD):
             peer = (RANK + k) % WORLD
@@ -214,8 +247,7 @@ def push_two_shot(x: torch.Tensor, out: torch.Tensor, *, rank: int, world: int, 
     rounds; ``x.numel()`` a multiple of ``world``. The memory: the module's docstring."""
     assert x.is_contiguous() and out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype
     assert x.numel() <= slot_numel and x.numel() % world == 0, (x.numel(), slot_numel, world)
-    assert slot_ptrs.dtype == flag_ptrs.dtype == counts.dtype == torch.int64
-    assert slot_ptrs.numel() == flag_ptrs.numel() == world and 0 <= rank < world
+    _check_memory(rank, world, slot_ptrs, flag_ptrs, counts)
     _push_two_shot_kernel[(counts.numel(),)](x, out, slot_ptrs, flag_ptrs, counts, x.numel() // world, slot_numel,
                                              RANK=rank, WORLD=world, BLOCK=BLOCK, num_warps=NUM_WARPS)
     return out
@@ -231,15 +263,71 @@ def push_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
     """(norm(s + residual) * weight, s + residual) where s is the sum of ``x`` [T, H] over the
     ranks, as ``kernels/rms_norm.add_rms_norm`` after ``push_sum``; the memory as ``push_sum``'s
     (and shared with it)."""
-    assert x.dim() == 2 and x.is_contiguous() and residual.is_contiguous(), (x.shape, x.stride(), residual.stride())
-    assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, residual.dtype)
-    T, H = x.shape
-    assert weight.shape == (H,) and weight.is_contiguous() and weight.dtype == x.dtype, (weight.shape, weight.dtype)
-    assert H <= MAX_NORM_HIDDEN and x.numel() <= slot_numel, (H, x.numel(), slot_numel)
-    assert slot_ptrs.dtype == flag_ptrs.dtype == counts.dtype == torch.int64
-    assert slot_ptrs.numel() == flag_ptrs.numel() == world and 0 <= rank < world
+    T, H = _check_norm_args(x, residual, weight)
+    assert x.numel() <= slot_numel, (x.numel(), slot_numel)
+    _check_memory(rank, world, slot_ptrs, flag_ptrs, counts)
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     _push_add_rms_norm_kernel[(counts.numel(),)](
         x, residual, weight, out, residual_out, slot_ptrs, flag_ptrs, counts, T, H, slot_numel, eps,
+        RANK=rank, WORLD=world, BLOCK_H=triton.next_power_of_2(H), num_warps=NUM_WARPS)
+    return out, residual_out
+
+
+def two_shot_norm_rows(T: int, world: int) -> int:
+    """Rows of each rank's slice in ``push_two_shot_add_rms_norm`` (the last slice may hold fewer,
+    or none): the two-shot's regions must hold ``world`` slices of this many rows."""
+    return -(-T // world)
+
+
+@triton.jit
+def _push_two_shot_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, slot_ptrs,
+                                       flag_ptrs, counts_ptr, T, H, rows, slot_numel, eps,
+                                       RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    count = next_count(counts_ptr, pid)
+    slot = (count % 2) * 2 * slot_numel  # [scatter region | gather region]
+    dtype = x_ptr.dtype.element_ty
+    share = rows * H  # a slice's elements; rank r's slice holds rows r * rows on
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    for k in tl.static_range(1, WORLD):  # slice k of my rows -> rank k's scatter region
+        peer = (RANK + k) % WORLD
+        dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + RANK * share
+        for j in range(pid, tl.minimum(rows, T - peer * rows), programs):
+            tl.store(dst + j * H + cols, tl.load(x_ptr + (peer * rows + j) * H + cols, mask=mask), mask=mask)
+    exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
+    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(dtype)) + slot
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for j in range(pid, tl.minimum(rows, T - RANK * rows), programs):  # my slice: sum, add, norm, share
+        at = (RANK * rows + j) * H + cols
+        s = add_residual(sum_rows(x_ptr, at, own, share, j * H + cols, mask, RANK, WORLD), residual_ptr, at, mask)
+        store_rms_norm(s, w, out_ptr, residual_out_ptr, at, mask, H, eps)
+        for k in tl.static_range(1, WORLD):  # the new residual row into every peer's gather region
+            peer = (RANK + k) % WORLD
+            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + slot_numel + RANK * share
+            tl.store(dst + j * H + cols, s, mask=mask)
+    exchange_flags(flag_ptrs, programs * WORLD, pid, count, RANK, WORLD)  # the second round's flags
+    for k in tl.static_range(1, WORLD):  # the peers' new residual rows, normed here
+        peer = (RANK + k) % WORLD
+        for j in range(pid, tl.minimum(rows, T - peer * rows), programs):
+            s = tl.load(own + slot_numel + peer * share + j * H + cols, mask=mask, cache_modifier=".cg")
+            store_rms_norm(s, w, out_ptr, residual_out_ptr, (peer * rows + j) * H + cols, mask, H, eps)
+
+
+def push_two_shot_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                               rank: int, world: int, slot_ptrs: torch.Tensor, flag_ptrs: torch.Tensor,
+                               counts: torch.Tensor, slot_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``push_add_rms_norm``'s result (its roundings) as a two-shot over whole rows, on
+    ``push_two_shot``'s memory (and shared with it): rank r sums, adds and norms slice r of the
+    rows (``two_shot_norm_rows`` each), stores the new residual rows into every peer's gather
+    region, and norms the peers' slices from its own. ``world`` slices must fit ``slot_numel``."""
+    T, H = _check_norm_args(x, residual, weight)
+    rows = two_shot_norm_rows(T, world)
+    assert world * rows * H <= slot_numel, (T, H, world, slot_numel)
+    _check_memory(rank, world, slot_ptrs, flag_ptrs, counts)
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    _push_two_shot_add_rms_norm_kernel[(counts.numel(),)](
+        x, residual, weight, out, residual_out, slot_ptrs, flag_ptrs, counts, T, H, rows, slot_numel, eps,
         RANK=rank, WORLD=world, BLOCK_H=triton.next_power_of_2(H), num_warps=NUM_WARPS)
     return out, residual_out

@@ -3,7 +3,8 @@ memory (their rows already pushed into this rank's slots, their flags already ra
 several calls: this rank's rows land in every peer's region for it, in the slot the call
 alternates to; its flags count the calls; the sum is the reference's, bit for bit. The same for
 the two-shot (``push_two_shot``: slices scattered, each rank's slice summed and gathered), with
-sums of other sizes one after another; and for the sum fused with the residual add and RMSNorm
+sums of other sizes one after another, and for the two-shot fused with the norm
+(``push_two_shot_add_rms_norm``, slices of whole rows) between plain two-shots; and for the sum fused with the residual add and RMSNorm
 (``push_add_rms_norm``), called between plain sums on the same slots, flags and counts: its new
 residual is the reference's bit for bit, its norm the reference's to rounding (the squares may
 add in another order). In the Triton interpreter (float32) and natively on one GPU (float32 and bfloat16: the simulated peers are
@@ -77,6 +78,38 @@ def test_one_rank_sums_with_simulated_peers(world, rank, dtype):
         _check_pushed(slots, flags, memory, parts[rank], call)
 
 
+def _peers_two_shot(slots, flags, rank: int, call: int, slot_numel: int, share: int, scattered: dict,
+                    gathered: dict) -> None:
+    """The peers' side of two-shot call ``call``: peer p's ``scattered[p]`` in this rank's scatter
+    region and its ``gathered[p]`` in its gather region (each at p × ``share``), both its flags
+    raised."""
+    world, grid = len(slots), flags[rank].numel() // (2 * len(slots))
+    scatter = (call % 2) * 2 * slot_numel
+    for peer in range(world):
+        if peer != rank:
+            for region, values in ((scatter, scattered[peer]), (scatter + slot_numel, gathered[peer])):
+                slots[rank][region + peer * share:region + peer * share + values.numel()] = values.reshape(-1)
+            flags[rank].view(2, grid, world)[:, :, peer] = call
+
+
+def _check_two_shot_stores(slots, flags, before, memory, call: int, share: int, scattered: dict,
+                           gathered: torch.Tensor) -> None:
+    """What this rank stored on each peer p in call ``call``: ``scattered[p]`` in p's scatter
+    region and ``gathered`` in its gather region, both at this rank × ``share``, and nothing else
+    (every other element of p's slots as it was, ``before[p]``); its flags there and its counts."""
+    world, rank, slot_numel = memory["world"], memory["rank"], memory["slot_numel"]
+    grid = memory["counts"].numel()
+    scatter = (call % 2) * 2 * slot_numel
+    for peer in range(world):
+        if peer != rank:
+            want = before[peer].clone()
+            for region, values in ((scatter, scattered[peer]), (scatter + slot_numel, gathered)):
+                want[region + rank * share:region + rank * share + values.numel()] = values.reshape(-1)
+            assert torch.equal(slots[peer], want), peer
+            assert (flags[peer].view(2, grid, world)[:, :, rank] == call).all()
+    assert memory["counts"].tolist() == [call] * grid
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world,rank", [(2, 1), (4, 2)])
 def test_one_rank_of_a_two_shot_with_simulated_peers(world, rank, dtype):
@@ -89,27 +122,69 @@ def test_one_rank_of_a_two_shot_with_simulated_peers(world, rank, dtype):
     slots, flags, memory = _memory(world, rank, slot_numel, grid, dtype, two_shot=True)
     g = torch.Generator().manual_seed(world + rank)
     for call, share in ((1, 1300), (2, 700), (3, 1300)):  # 1,300: not a multiple of the block
-        numel = world * share
-        parts = [torch.randn(numel, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+        parts = [torch.randn(world * share, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
         want = push_sum_reference(parts)
-        scatter = (call % 2) * 2 * slot_numel
-        gather = scatter + slot_numel
-        for peer in range(world):
-            if peer != rank:
-                mine, theirs = slice(rank * share, (rank + 1) * share), slice(peer * share, (peer + 1) * share)
-                slots[rank][scatter + peer * share:scatter + (peer + 1) * share] = parts[peer][mine]
-                slots[rank][gather + peer * share:gather + (peer + 1) * share] = want[theirs]
-                flags[rank].view(2, grid, world)[:, :, peer] = call
+        mine = slice(rank * share, (rank + 1) * share)
+        _peers_two_shot(slots, flags, rank, call, slot_numel, share,
+                        scattered={p: parts[p][mine] for p in range(world)},
+                        gathered={p: want[p * share:(p + 1) * share] for p in range(world)})
+        before = [t.clone() for t in slots]
         out = push_two_shot(parts[rank], torch.empty_like(parts[rank]), **memory)
         assert torch.equal(out, want)
-        for peer in range(world):
+        _check_two_shot_stores(slots, flags, before, memory, call, share,
+                               scattered={p: parts[rank][p * share:(p + 1) * share] for p in range(world)},
+                               gathered=want[mine])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("world,rank", [(2, 1), (3, 2), (3, 0)])
+def test_the_two_shots_fused_norm_with_simulated_peers(world, rank, dtype):
+    """``push_two_shot_add_rms_norm``, one rank's side, between plain two-shots on the same
+    memory: slices of whole rows, uneven (the last shorter), a single row (only rank 0's slice
+    holds it), rows that fill the regions exactly. Its new residual is the reference's bit for
+    bit, its norm within rounding; it stores its rows of each peer's slice and its own slice's
+    new residual rows there and nothing past them."""
+    from pipeserve.kernels.push_sum import push_two_shot, push_two_shot_add_rms_norm, two_shot_norm_rows
+
+    H, grid, eps = 48, 3, 1e-5
+    slot_numel = 4 * world * H  # 4 rows a slice at most
+    slots, flags, memory = _memory(world, rank, slot_numel, grid, dtype, two_shot=True)
+    g = torch.Generator().manual_seed(13 * world + rank)
+    weight = (torch.rand(H, generator=g) + 0.5).to(dtype).to(DEVICE)
+    for call, T in enumerate((7, None, 1, 4 * world, world + 1, None), start=1):  # None: a plain two-shot
+        for peer in range(world):  # whatever this call leaves unwritten must stay as it was
             if peer != rank:
-                got = slots[peer][scatter + rank * share:scatter + (rank + 1) * share]
-                assert torch.equal(got, parts[rank][peer * share:(peer + 1) * share])
-                got = slots[peer][gather + rank * share:gather + (rank + 1) * share]
-                assert torch.equal(got, want[rank * share:(rank + 1) * share])
-                assert (flags[peer].view(2, grid, world)[:, :, rank] == call).all()
-        assert memory["counts"].tolist() == [call] * grid
+                slots[peer].fill_(-3.0)
+        if T is None:
+            share = slot_numel // world - 5
+            parts = [torch.randn(world * share, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+            want = push_sum_reference(parts)
+            mine = slice(rank * share, (rank + 1) * share)
+            _peers_two_shot(slots, flags, rank, call, slot_numel, share,
+                            scattered={p: parts[p][mine] for p in range(world)},
+                            gathered={p: want[p * share:(p + 1) * share] for p in range(world)})
+            before = [t.clone() for t in slots]
+            assert torch.equal(push_two_shot(parts[rank], torch.empty_like(parts[rank]), **memory), want)
+            _check_two_shot_stores(slots, flags, before, memory, call, share,
+                                   scattered={p: parts[rank][p * share:(p + 1) * share] for p in range(world)},
+                                   gathered=want[mine])
+            continue
+        rows = two_shot_norm_rows(T, world)
+        slices = [slice(min(T, p * rows), min(T, (p + 1) * rows)) for p in range(world)]
+        parts = [torch.randn(T, H, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+        residual = torch.randn(T, H, generator=g).to(dtype).to(DEVICE)
+        want_normed, want_residual = add_rms_norm_reference(push_sum_reference(parts), residual, weight, eps)
+        _peers_two_shot(slots, flags, rank, call, slot_numel, rows * H,
+                        scattered={p: parts[p][slices[rank]] for p in range(world)},
+                        gathered={p: want_residual[slices[p]] for p in range(world)})
+        before = [t.clone() for t in slots]
+        normed, new_residual = push_two_shot_add_rms_norm(parts[rank], residual, weight, eps, **memory)
+        assert torch.equal(new_residual, want_residual), T
+        tol = {} if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(normed, want_normed, **tol)  # the squares' order: an ulp
+        _check_two_shot_stores(slots, flags, before, memory, call, rows * H,
+                               scattered={p: parts[rank][slices[p]] for p in range(world)},
+                               gathered=want_residual[slices[rank]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
