@@ -188,9 +188,10 @@ def tp_sum_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: 
                         parallel: ParallelContext, add_rms_norm: Callable) -> tuple[torch.Tensor, torch.Tensor]:
     """``add_rms_norm(tp_all_reduce(x), residual, weight, eps)``: the sum of a row-parallel
     layer's partial rows, plus the residual, RMS-normed. Where the TP group's symmetric sums
-    take it, one kernel does all three (``kernels/push_sum.push_add_rms_norm``, a Triton kernel
-    with ``kernels/rms_norm``'s numerics whatever ``add_rms_norm`` is: the symmetric sums run on
-    CUDA only, where the norms are Triton's unless ``engine.kernel_backend=torch``)."""
+    take it, one kernel does all three (``kernels/push_sum``'s push or its two-shot with the norm
+    fused: Triton kernels with ``kernels/rms_norm``'s numerics whatever ``add_rms_norm`` is; the
+    symmetric sums run on CUDA only, where the norms are Triton's unless
+    ``engine.kernel_backend=torch``)."""
     reduce = parallel.tp_reduce
     if parallel.tp_size > 1 and reduce is not None and reduce.fits_norm(x, residual):
         return reduce.push_add_rms_norm(x, residual, weight, eps)

@@ -11,7 +11,9 @@ Both run as a single kernel with a barrier among the ranks on either side, so th
 inside the CUDA graphs as NCCL's do. Two ranks sum with pipeserve's own kernels instead
 (``kernels/push_sum.py``), which store their rows into the peer's buffer rather than read the
 peer's: up to 4 MB the push (``push_max_bytes``; 8.4 µs a 1 MB sum against PyTorch's 14.7),
-above it the push's two-shot (``uses_push_two_shot``; 65.2 µs a 16 MB sum against 74.5).
+above it the push's two-shot (``uses_push_two_shot``; 65.2 µs a 16 MB sum against 74.5). Where
+a layer's sum feeds the next residual add and RMSNorm, either is fused with them in one kernel
+(``push_add_rms_norm``), so the sum's output makes no round trip through memory.
 
 Only point-to-point NVLink access is used, never NVLink multicast (``multimem``):
 ``TORCH_SYMM_MEM_DISABLE_MULTICAST`` is set before the first allocation unless the caller set it.
@@ -26,7 +28,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from pipeserve.kernels.push_sum import MAX_NORM_HIDDEN, push_add_rms_norm, push_sum, push_two_shot
+from pipeserve.kernels.push_sum import (
+    MAX_NORM_HIDDEN, push_add_rms_norm, push_sum, push_two_shot, push_two_shot_add_rms_norm, two_shot_norm_rows,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -99,12 +103,17 @@ class _PushState:
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """The push's sum fused with the next residual add and RMSNorm, on the push's memory."""
-        assert not self.two_shot, "the fused norm indexes the push's layout, not the two-shot's"
+        """The sum fused with the next residual add and RMSNorm, on this memory (the push's or the
+        two-shot's kernel)."""
         assert x.dtype == self.slots.dtype and x.device == self.slots.device, (x.dtype, x.device)
-        return push_add_rms_norm(x, residual, weight, eps, rank=self.rank, world=self.world,
-                                 slot_ptrs=self.slot_ptrs, flag_ptrs=self.flag_ptrs, counts=self.counts,
-                                 slot_numel=self.slot_numel)
+        kernel = push_two_shot_add_rms_norm if self.two_shot else push_add_rms_norm
+        return kernel(x, residual, weight, eps, rank=self.rank, world=self.world, slot_ptrs=self.slot_ptrs,
+                      flag_ptrs=self.flag_ptrs, counts=self.counts, slot_numel=self.slot_numel)
+
+    def fits_norm(self, T: int, H: int) -> bool:
+        """Whether ``add_rms_norm``'s rows [T, H] fit this memory's regions."""
+        rows = two_shot_norm_rows(T, self.world) * self.world if self.two_shot else T
+        return rows * H <= self.slot_numel
 
 
 class SymmetricAllReduce:
@@ -177,16 +186,29 @@ class SymmetricAllReduce:
         a multiple of the group's size)."""
         return self._push_two_shot(x)
 
+    def _norm_state(self, x: torch.Tensor, residual: torch.Tensor | None) -> _PushState | None:
+        """The push kernels' memory whose fused norm takes ``x`` (the sum's rows) and ``residual``:
+        the push's up to its size, above it the two-shot's (as ``__call__`` chooses the plain
+        sums), None where neither does."""
+        if (residual is None or x.dim() != 2 or x.shape[1] > MAX_NORM_HIDDEN or not self.fits(x)
+                or not residual.is_contiguous()):
+            return None
+        if self._push is not None and x.numel() <= self._push.slot_numel:
+            return self._push
+        if self._push_two_shot is not None and self._push_two_shot.fits_norm(*x.shape):
+            return self._push_two_shot
+        return None
+
     def fits_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
         """Whether ``push_add_rms_norm`` takes ``x`` (the sum's rows) and ``residual``."""
-        return (residual is not None and x.dim() == 2 and x.shape[1] <= MAX_NORM_HIDDEN
-                and x.numel() <= self.push_max_numel and self.fits(x) and residual.is_contiguous())
+        return self._norm_state(x, residual) is not None
 
     def push_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(sum + residual) * weight, sum + residual), the sum of ``x`` over the group, in
-        one kernel (``fits_norm(x, residual)`` must hold)."""
-        return self._push.add_rms_norm(x, residual, weight, eps)
+        one kernel: the push's up to ``push_max_numel``, the push's two-shot's above
+        (``fits_norm(x, residual)`` must hold)."""
+        return self._norm_state(x, residual).add_rms_norm(x, residual, weight, eps)
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         """The sum with every peer's rows read whole (``x`` copied into the buffer), at any size

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import multiprocessing as mp
 import random
 import socket
@@ -33,6 +34,7 @@ from helpers_model import (
 )
 
 from pipeserve.kernels.reference import race_max_reference
+from pipeserve.parallel import symmetric as symmetric_module
 from pipeserve.parallel.context import ParallelContext, build_parallel_context, tp_argmax
 from pipeserve.parallel.symmetric import SymmetricAllReduce
 from pipeserve.parallel.stage_plan import plan_stages
@@ -172,13 +174,14 @@ class _CountingSlice:
 
 def _rank_main(
     rank: int, world_size: int, port: int, tp: int, pp: int, folder: str, out: str, device: str,
-    fuse_rows: int | None = None,
+    fuse_rows: int | None = None, push_rows: int | None = None,
 ):
     """One rank: load this rank's slice of the checkpoint in ``folder`` (SMOLLM2: the embedded
     GGUF, all layers), run the plan, save what the parent checks. On "cuda", rank r uses GPU r
     and NCCL; on "cuda+symmetric" the forward's sums go through symmetric memory too (the push
-    kernel, and the norms fused with it: ``fused`` counts those; ``fuse_rows``: only up to that
-    many rows, as if the push stopped there, the rest summed first and then normed)."""
+    kernel, and the norms fused with it: ``fused`` counts those, ``fused_two_shot`` those of the
+    two-shot's kernel; ``fuse_rows``: only up to that many rows, the rest summed first and then
+    normed; ``push_rows``: the push holds that many rows, larger steps take the two-shot)."""
     torch.set_num_threads(1)
     symmetric = device == "cuda+symmetric"
     if device.startswith("cuda"):
@@ -193,13 +196,22 @@ def _rank_main(
     )
     try:
         parallel = build_parallel_context(tp, pp)
-        fused = [0]
+        fused, fused_two_shot = [0], [0]
         if symmetric:
+            if push_rows is not None:
+                hidden = json.loads((Path(folder) / "config.json").read_text())["hidden_size"]
+                symmetric_module.push_max_bytes = lambda world: push_rows * hidden * 4  # float32 rows
             reduce = SymmetricAllReduce.create(parallel.tp_group, max_numel=64 * 1024, dtype=torch.float32,
                                                device=torch.device(device))
             assert reduce is not None and reduce.push_max_numel > 0
             push_add_rms_norm, fits_norm = reduce.push_add_rms_norm, reduce.fits_norm
-            reduce.push_add_rms_norm = lambda *a: fused.__setitem__(0, fused[0] + 1) or push_add_rms_norm(*a)
+
+            def counted(x, residual, *rest):
+                fused[0] += 1
+                fused_two_shot[0] += reduce._norm_state(x, residual).two_shot
+                return push_add_rms_norm(x, residual, *rest)
+
+            reduce.push_add_rms_norm = counted
             if fuse_rows is not None:
                 reduce.fits_norm = lambda x, residual: x.shape[0] <= fuse_rows and fits_norm(x, residual)
             parallel = dataclasses.replace(parallel, tp_reduce=reduce)
@@ -219,6 +231,7 @@ def _rank_main(
             "numels": {n: p.numel() for n, p in model.named_parameters()},
             "num_read": num_read[0],
             "fused": fused[0],
+            "fused_two_shot": fused_two_shot[0],
             "num_local_kv_heads": model.num_local_kv_heads,
             "num_layers": len(model.layers),
             "is_last_stage": parallel.is_last_stage,
@@ -264,12 +277,13 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    tmp_path: Path, folder: Path, *, tp: int, pp: int = 1, device: str = "cpu", fuse_rows: int | None = None
+    tmp_path: Path, folder: Path, *, tp: int, pp: int = 1, device: str = "cpu", fuse_rows: int | None = None,
+    push_rows: int | None = None,
 ) -> list[dict]:
     """Start tp * pp ranks, wait (bounded) for all, return each one's result."""
     world_size = tp * pp
     port = _free_port()
-    args = (world_size, port, tp, pp, str(folder), str(tmp_path), device, fuse_rows)
+    args = (world_size, port, tp, pp, str(folder), str(tmp_path), device, fuse_rows, push_rows)
     procs = [
         CTX.Process(target=_rank_main, args=(r, *args), daemon=True) for r in range(world_size)
     ]
@@ -596,23 +610,27 @@ def test_tp_argmax_is_the_argmax_of_the_whole_row(tmp_path, tp):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["llama", "mixtral"])
-@pytest.mark.parametrize(("pp", "fuse_rows"), [(1, None), (1, 8), (2, None)])
-def test_gpu_symmetric_sums_with_fused_norms(tmp_path, kind, pp, fuse_rows):
+@pytest.mark.parametrize(("pp", "fuse_rows", "push_rows"), [(1, None, None), (1, 8, None), (1, None, 8), (2, None, 8)])
+def test_gpu_symmetric_sums_with_fused_norms(tmp_path, kind, pp, fuse_rows, push_rows):
     """tp=2 (× pp) on GPUs with the sums through symmetric memory, float32 against the CPU
-    references: every norm after a layer's sum is the push kernel's fused one (two a layer and
-    the final norm, but a stage's first input norm, which follows the embedding or the stage
-    before; a stage's last sum goes out summed). ``fuse_rows``: steps of more rows sum first
-    and then norm, steps of fewer fuse, in the same run."""
+    references: every norm after a layer's sum is a fused one (two a layer and the final norm,
+    but a stage's first input norm, which follows the embedding or the stage before; a stage's
+    last sum goes out summed). ``fuse_rows``: steps of more rows sum first and then norm, steps
+    of fewer fuse, in the same run. ``push_rows``: the push holds 8 rows, so steps of more take
+    the two-shot's fused norm (slices of whole rows), steps of fewer the push's."""
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2 * pp:
         pytest.skip(f"needs {2 * pp} GPUs")
     folder = write_tiny_checkpoint(tmp_path / "ckpt", kind, seed=8)
-    results = run_ranks(tmp_path, folder, tp=2, pp=pp, device="cuda+symmetric", fuse_rows=fuse_rows)
+    results = run_ranks(tmp_path, folder, tp=2, pp=pp, device="cuda+symmetric", fuse_rows=fuse_rows,
+                        push_rows=push_rows)
     check_logits(results, folder, atol=1e-3)
     fusing = [s for s in STEPS if fuse_rows is None or sum(n for _, n in s) <= fuse_rows]
     assert fusing  # (8 rows: the decode steps)
     for res in results:
         per_step = 2 * res["num_layers"] - (0 if res["is_last_stage"] else 1)
         assert res["fused"] == len(fusing) * per_step, (res["stage"], res["fused"])
+        larger = [s for s in fusing if push_rows is not None and sum(n for _, n in s) > push_rows]
+        assert res["fused_two_shot"] == len(larger) * per_step, (res["stage"], res["fused_two_shot"])
 
 
 # --- pure pieces (no processes) -------------------------------------------------------------------
