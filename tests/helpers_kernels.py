@@ -55,3 +55,17 @@ def assert_close_rounding(got, want, seed, *, fp32_atol: float, min_exact: float
     torch.testing.assert_close(got, want, rtol=2 * ulp, atol=1e-5, msg=msg)
     exact = (got == want).float().mean().item()
     assert exact >= min_exact, f"only {exact:.3f} of elements match exactly, {msg}"
+
+
+def captured_graph(warm_up, capture):
+    """``warm_up()`` on a side stream (compiling outside the capture), then ``capture()`` captured
+    in a CUDA graph on it: (the graph, what ``capture`` returned: the outputs each replay refills)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm_up()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = capture()
+    return graph, outs

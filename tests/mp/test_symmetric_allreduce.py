@@ -5,8 +5,9 @@ push kernels' slots alternate and their flags count replays), equal the exact su
 (what NCCL gives for two ranks); the forward's choice pushes up to 4 MB and takes the push's
 two-shot above; 32 sums of either push kernel back to back in one graph, sizes changing, one
 rank held back on its device, stay exact; a tensor the buffer cannot hold goes through NCCL. The
-sum fused with the residual add and RMSNorm (``push_add_rms_norm``, between plain pushes, eager
-and replayed, and 16 of them between 16 pushes in one graph with a rank held back) gives the
+sum fused with the residual add and RMSNorm (``push_add_rms_norm``: the push's up to 4 MB, the
+two-shot's above, over slices of whole rows; each between plain sums of the same kernel, eager
+and replayed, and 16 of them between 16 plain sums in one graph with a rank held back) gives the
 exact sum plus the residual bit for bit, its norm within bf16's rounding of the torch
 reference's and the same bits on both ranks. On CPU, ``create`` declines and the
 sums stay with the process group."""
@@ -20,6 +21,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from helpers_kernels import captured_graph
 
 from pipeserve.kernels.reference import add_rms_norm_reference
 from pipeserve.parallel.context import ParallelContext, tp_all_reduce
@@ -63,7 +65,7 @@ def _rank(rank: int, port: int, results) -> None:
                     continue
                 eager = [torch.equal(fn(x.clone()), want) for x, want in calls]
                 static = calls[0][0].clone()
-                graph, summed = _captured(lambda: fn(static.clone()), lambda: fn(static))
+                graph, summed = captured_graph(lambda: fn(static.clone()), lambda: fn(static))
                 replayed = []
                 for x, want in calls[1:]:
                     static.copy_(x)
@@ -72,8 +74,9 @@ def _rank(rank: int, port: int, results) -> None:
                     replayed.append(torch.equal(summed, want))
                 out[(rows, how)] = (all(eager), all(replayed), rows * HIDDEN <= reduce.buffer.numel())
                 graph.reset()
-        out["fused"] = _fused(reduce, push, rank, device)
-        out["burst fused"] = _burst_fused(reduce, rank, device)
+        out["fused"] = _fused(reduce, push, push_two_shot, rank, device)
+        out["burst fused"] = _burst_fused(reduce, push, (1, 64, 512, 7), rank, device)
+        out["burst fused two-shot"] = _burst_fused(reduce, push_two_shot, (1024, 513, 2048, 1025), rank, device)
         out["auto pushed"] = sorted(set(pushed)), sorted(set(two_shot_pushed))
         out["burst"] = _burst(push, (1, 64, 512, 7), rank, device)
         out["burst two-shot"] = _burst(push_two_shot, (1024, 600, 2048, 8), rank, device)
@@ -81,20 +84,6 @@ def _rank(rank: int, port: int, results) -> None:
     finally:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _captured(warm_up, capture):
-    """``warm_up()`` on a side stream (compiling outside the capture), then ``capture()`` captured
-    in a CUDA graph on it: (the graph, what ``capture`` returned: the outputs each replay refills)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        warm_up()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        outs = capture()
-    return graph, outs
 
 
 def _replayed_held_back(graph: torch.cuda.CUDAGraph, rank: int, check) -> bool:
@@ -113,13 +102,14 @@ def _replayed_held_back(graph: torch.cuda.CUDAGraph, rank: int, check) -> bool:
     return ok
 
 
-def _fused(reduce: SymmetricAllReduce, push, rank: int, device) -> list:
+def _fused(reduce: SymmetricAllReduce, push, push_two_shot, rank: int, device) -> list:
     """Per size: (residual exact, norm within rounding), eager and replayed, each fused call
-    after a plain push; and this rank's normed rows, for the ranks to compare."""
+    after a plain sum of the same kernel (the push's up to 512 rows, the two-shot's above); and
+    this rank's normed rows, for the ranks to compare."""
     g = torch.Generator().manual_seed(5)
     weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).to(device)
     results = []
-    for rows in (1, 128, 512):  # the push's sizes (up to 4 MB)
+    for rows in (1, 128, 512, 513, 1025, 2047, 2048):  # the push's sizes (up to 4 MB), the two-shot's
         calls = []
         for k in range(3):
             parts = [_inputs(rows, r, device) * (k + 1) for r in (0, 1)]
@@ -132,13 +122,14 @@ def _fused(reduce: SymmetricAllReduce, push, rank: int, device) -> list:
                     and torch.allclose(got[0].float(), want[0].float(), rtol=1.6e-2, atol=1e-2))
 
         def step(x, residual):
-            push(x)  # a plain sum between: the two kernels share the slots and counts
+            # a plain sum between: the fused kernel shares the plain one's slots and counts
+            (push if x.numel() <= reduce.push_max_numel else push_two_shot)(x)
             return reduce.push_add_rms_norm(x, residual, weight, 1e-5)
 
         assert reduce.fits_norm(calls[0][0], calls[0][1])
         eager = [check(step(x, r), want) for x, r, want in calls]
         static_x, static_r = calls[0][0].clone(), calls[0][1].clone()
-        graph, got = _captured(lambda: step(static_x.clone(), static_r.clone()), lambda: step(static_x, static_r))
+        graph, got = captured_graph(lambda: step(static_x.clone(), static_r.clone()), lambda: step(static_x, static_r))
         replayed = []
         for x, r, want in calls[1:]:
             static_x.copy_(x)
@@ -159,27 +150,28 @@ def _burst(push, rows: tuple, rank: int, device) -> bool:
     inputs = [[_inputs(rows, r, device) * (k + 1) for r in (0, 1)] for k, rows in enumerate(sizes)]
     wants = [(a.float() + b.float()).to(torch.bfloat16) for a, b in inputs]
     statics = [parts[rank].clone() for parts in inputs]
-    graph, outs = _captured(lambda: push(statics[0].clone()), lambda: [push(x) for x in statics])
+    graph, outs = captured_graph(lambda: push(statics[0].clone()), lambda: [push(x) for x in statics])
     return _replayed_held_back(graph, rank, lambda: all(torch.equal(o, w) for o, w in zip(outs, wants)))
 
 
-def _burst_fused(reduce: SymmetricAllReduce, rank: int, device) -> bool:
-    """``_burst`` with the pushes alternating with fused sums + norms on the same slots and
-    counts (the kernels cover the rows differently: blocks against whole rows), of 1, 64, 512
-    and 7 rows, rank 1 held back: every sum and new residual exact, every norm within rounding."""
+def _burst_fused(reduce: SymmetricAllReduce, plain, rows: tuple, rank: int, device) -> bool:
+    """``_burst`` with the plain sums (``plain``: the push or its two-shot, whose sizes ``rows``
+    are) alternating with fused sums + norms on the same slots and counts (the kernels cover
+    the rows differently: blocks against whole rows), rank 1 held back: every sum and new
+    residual exact, every norm within rounding."""
     g = torch.Generator().manual_seed(9)
     weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).to(device)
-    sizes = [(1, 64, 512, 7)[k % 4] for k in range(32)]
-    inputs = [[_inputs(rows, r, device) * (k + 1) for r in (0, 1)] for k, rows in enumerate(sizes)]
-    residuals = [_inputs(rows, 7, device) + k for k, rows in enumerate(sizes)]
+    sizes = [rows[k % 4] for k in range(32)]
+    inputs = [[_inputs(n, r, device) * (k + 1) for r in (0, 1)] for k, n in enumerate(sizes)]
+    residuals = [_inputs(n, 7, device) + k for k, n in enumerate(sizes)]
     totals = [(a.float() + b.float()).to(torch.bfloat16) for a, b in inputs]
     statics = [parts[rank].clone() for parts in inputs]
 
     def calls():
-        return [reduce.push(x) if k % 2 == 0 else reduce.push_add_rms_norm(x, residuals[k], weight, 1e-5)
+        return [plain(x) if k % 2 == 0 else reduce.push_add_rms_norm(x, residuals[k], weight, 1e-5)
                 for k, x in enumerate(statics)]
 
-    graph, outs = _captured(calls, calls)
+    graph, outs = captured_graph(calls, calls)
 
     def check() -> bool:
         ok = True
@@ -214,7 +206,8 @@ def test_sums_equal_the_exact_sum_eager_and_in_a_graph():
         assert eager and replayed, rows
         assert torch.equal(normed, peers), rows  # both ranks the same bits
     for rank in (0, 1):
-        assert got[rank].pop("burst") and got[rank].pop("burst two-shot") and got[rank].pop("burst fused"), rank
+        for burst in ("burst", "burst two-shot", "burst fused", "burst fused two-shot"):
+            assert got[rank].pop(burst), (rank, burst)
         # up to 4 MB the push, above it the push's two-shot up to the buffer's 16 MB
         assert got[rank].pop("auto pushed") == ([1, 128, 512], [513, 1025, 2048]), rank
         for (rows, how), (eager, replayed, symmetric_path) in got[rank].items():
