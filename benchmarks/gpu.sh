@@ -26,6 +26,9 @@
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind;
 #                      a layer's sums in line against overlapped with the other half's GEMMs (tools/tp_overlap);
 #                      the sum kernels per size: PyTorch's one-shot and two-shot against pipeserve's push and its two-shot (tools/sum_kernels)
+#   sums      2-4 GPUs the sum kernels per size (tools/sum_kernels), and a sum followed by the next residual add and
+#                      RMSNorm: the forward's sum then the norm kernel against the push's and its two-shot's fused kernels,
+#                      at tp=2 (and tp=4 on 4 GPUs)
 #   structured 1 GPU   plain, penalties, a quarter under a JSON schema; xgrammar against outlines-core per token
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
@@ -44,7 +47,7 @@
 #   COST_MODEL=<json>  the bubbles scenario's profile (default: profiled once per card, kept in /tmp)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-SCENARIOS="peers prefix sharegpt scaling scaling4 big4 async coldstart coldserve capacity bubbles roofline fp8 ranks pairs tpsteps structured profile"
+SCENARIOS="peers prefix sharegpt scaling scaling4 big4 async coldstart coldserve capacity bubbles roofline fp8 ranks pairs tpsteps sums structured profile"
 [ $# -gt 0 ] || { sed -n '2,/^set /{/^#/p;}' benchmarks/gpu.sh; exit 2; }
 for s in "$@"; do
   [[ " $SCENARIOS " == *" $s "* ]] || { echo "unknown scenario $s (one of: $SCENARIOS)"; exit 2; }
@@ -348,6 +351,17 @@ tpsteps() {  # ~5 min (~8 on 4 GPUs): tools/tp_steps at each tp (start-up and gr
   [ -f "$ROOT/tools/tp_overlap.py" ] && run tpsteps-overlap-tp4 120 0,1,2,3 torchrun --nproc-per-node 4 -m tools.tp_overlap --out "$DIR/overlap-tp4.json"
   grep -q -- "--sums" "$ROOT/tools/tp_overlap.py" && run tpsteps-overlap-pull-tp4 120 0,1,2,3 torchrun --nproc-per-node 4 -m tools.tp_overlap --sums pull --out "$DIR/overlap-pull-tp4.json"
   [ -f "$ROOT/tools/sum_kernels.py" ] && run tpsteps-sumkernels-tp4 180 0,1,2,3 torchrun --nproc-per-node 4 -m tools.sum_kernels --out "$DIR/sumkernels-tp4.json"
+}
+
+sums() {  # ~3 min (~6 on 4 GPUs): tools/sum_kernels, plain and with --norms, at each tp
+  need_gpus 2 || return 0
+  local tp gpus
+  for tp in 2 4; do
+    [ "$NGPU" -ge "$tp" ] || continue
+    gpus=$(seq -s, 0 $((tp - 1)))
+    run sums-tp$tp 180 "$gpus" torchrun --nproc-per-node $tp -m tools.sum_kernels --out "$DIR/sumkernels-tp$tp.json"
+    run sums-norms-tp$tp 180 "$gpus" torchrun --nproc-per-node $tp -m tools.sum_kernels --norms --out "$DIR/sumnorms-tp$tp.json"
+  done
 }
 
 structured() {  # ~8 min: three throughput runs, then the grammar probes (outlines-core's wheel from .whl)

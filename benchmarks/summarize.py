@@ -389,17 +389,30 @@ def tpsteps(folder: str):
     if orows:
         lines += [""] + table(["layer shard", "sums", "tokens", "serial ms/layer", "halves ms/layer",
                                "no sums ms/layer", "async TP ms/layer", "sums hidden by halves"], orows)
-    # tools/sum_kernels: µs a sum per kernel and size.
-    for name in ("sumkernels-tp2", "sumkernels-tp4"):
+    sum_lines, sum_figures = sum_kernel_tables(folder, ("sumkernels-tp2", "sumkernels-tp4"))
+    return lines + sum_lines, {**figures, **sum_figures}
+
+
+def sum_kernel_tables(folder: str, names) -> tuple[list[str], dict]:
+    """tools/sum_kernels' tables: µs a sum (or a sum + norm) per kernel and size."""
+    lines, figures = [], {}
+    for name in names:
         r = load(os.path.join(folder, f"{name}.json"))
         if not r or not r["rows"]:
             continue
-        kernels = list(next(iter(r["rows"].values())))
-        srows = [[f"tp={r['tp']}", rows] + [f"{row[k]['us']:.1f}{'' if row[k]['exact'] else ' WRONG'}" for k in kernels]
+        kernels = list(dict.fromkeys(k for row in r["rows"].values() for k in row))
+        srows = [[f"tp={r['tp']}", rows] + [f"{row[k]['us']:.1f}{'' if row[k]['exact'] else ' WRONG'}" if k in row
+                                            else "" for k in kernels]
                  for rows, row in r["rows"].items()]
         figures[name] = r
-        lines += [""] + table(["sum", "rows of 4096"] + [f"{k} µs" for k in kernels], srows)
+        what = "sum + norm" if "norms" in name else "sum"
+        lines += [""] + table([what, "rows of 4096"] + [f"{k} µs" for k in kernels], srows)
     return lines, figures
+
+
+def sums(folder: str):
+    lines, figures = sum_kernel_tables(folder, ("sumkernels-tp2", "sumnorms-tp2", "sumkernels-tp4", "sumnorms-tp4"))
+    return (lines[1:] if lines else ["sums: no result (see sums-*.log)"]), figures
 
 
 def profile(folder: str):
@@ -486,7 +499,7 @@ def pairs(folder: str):
 
 
 SCENARIOS = {f.__name__.rstrip("_"): f for f in (peers, prefix, sharegpt, scaling, scaling4, big4, ranks, pairs, async_, coldstart, coldserve, capacity, bubbles,
-                                                  roofline, fp8, tpsteps, profile, structured)}
+                                                  roofline, fp8, tpsteps, sums, profile, structured)}
 
 
 def main(argv=None) -> None:
