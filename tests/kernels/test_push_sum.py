@@ -110,30 +110,36 @@ def _check_two_shot_stores(slots, flags, before, memory, call: int, share: int, 
     assert memory["counts"].tolist() == [call] * grid
 
 
+def _plain_two_shot(slots, flags, memory, call: int, share: int, g: torch.Generator, dtype: torch.dtype) -> None:
+    """Call ``call``, a plain ``push_two_shot`` of ``world`` × ``share`` elements with the peers
+    simulated: its sum exact, its stores on the peers (and only those) as they must be."""
+    from pipeserve.kernels.push_sum import push_two_shot
+
+    world, rank = memory["world"], memory["rank"]
+    parts = [torch.randn(world * share, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
+    want = push_sum_reference(parts)
+    mine = slice(rank * share, (rank + 1) * share)
+    _peers_two_shot(slots, flags, rank, call, memory["slot_numel"], share,
+                    scattered={p: parts[p][mine] for p in range(world)},
+                    gathered={p: want[p * share:(p + 1) * share] for p in range(world)})
+    before = [t.clone() for t in slots]
+    assert torch.equal(push_two_shot(parts[rank], torch.empty_like(parts[rank]), **memory), want)
+    _check_two_shot_stores(slots, flags, before, memory, call, share,
+                           scattered={p: parts[rank][p * share:(p + 1) * share] for p in range(world)},
+                           gathered=want[mine])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("world,rank", [(2, 1), (4, 2)])
 def test_one_rank_of_a_two_shot_with_simulated_peers(world, rank, dtype):
     """The peers' slices already in this rank's scatter region and their sums in its gather
     region, both their flags raised; three calls of other sizes (the regions' places do not move
     with the size)."""
-    from pipeserve.kernels.push_sum import push_two_shot
-
     slot_numel, grid = 4 * 1300, 2
     slots, flags, memory = _memory(world, rank, slot_numel, grid, dtype, two_shot=True)
     g = torch.Generator().manual_seed(world + rank)
     for call, share in ((1, 1300), (2, 700), (3, 1300)):  # 1,300: not a multiple of the block
-        parts = [torch.randn(world * share, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
-        want = push_sum_reference(parts)
-        mine = slice(rank * share, (rank + 1) * share)
-        _peers_two_shot(slots, flags, rank, call, slot_numel, share,
-                        scattered={p: parts[p][mine] for p in range(world)},
-                        gathered={p: want[p * share:(p + 1) * share] for p in range(world)})
-        before = [t.clone() for t in slots]
-        out = push_two_shot(parts[rank], torch.empty_like(parts[rank]), **memory)
-        assert torch.equal(out, want)
-        _check_two_shot_stores(slots, flags, before, memory, call, share,
-                               scattered={p: parts[rank][p * share:(p + 1) * share] for p in range(world)},
-                               gathered=want[mine])
+        _plain_two_shot(slots, flags, memory, call, share, g, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -144,7 +150,7 @@ def test_the_two_shots_fused_norm_with_simulated_peers(world, rank, dtype):
     holds it), rows that fill the regions exactly. Its new residual is the reference's bit for
     bit, its norm within rounding; it stores its rows of each peer's slice and its own slice's
     new residual rows there and nothing past them."""
-    from pipeserve.kernels.push_sum import push_two_shot, push_two_shot_add_rms_norm, two_shot_norm_rows
+    from pipeserve.kernels.push_sum import push_two_shot_add_rms_norm, two_shot_norm_rows
 
     H, grid, eps = 48, 3, 1e-5
     slot_numel = 4 * world * H  # 4 rows a slice at most
@@ -156,18 +162,7 @@ def test_the_two_shots_fused_norm_with_simulated_peers(world, rank, dtype):
             if peer != rank:
                 slots[peer].fill_(-3.0)
         if T is None:
-            share = slot_numel // world - 5
-            parts = [torch.randn(world * share, generator=g).to(dtype).to(DEVICE) for _ in range(world)]
-            want = push_sum_reference(parts)
-            mine = slice(rank * share, (rank + 1) * share)
-            _peers_two_shot(slots, flags, rank, call, slot_numel, share,
-                            scattered={p: parts[p][mine] for p in range(world)},
-                            gathered={p: want[p * share:(p + 1) * share] for p in range(world)})
-            before = [t.clone() for t in slots]
-            assert torch.equal(push_two_shot(parts[rank], torch.empty_like(parts[rank]), **memory), want)
-            _check_two_shot_stores(slots, flags, before, memory, call, share,
-                                   scattered={p: parts[rank][p * share:(p + 1) * share] for p in range(world)},
-                                   gathered=want[mine])
+            _plain_two_shot(slots, flags, memory, call, slot_numel // world - 5, g, dtype)
             continue
         rows = two_shot_norm_rows(T, world)
         slices = [slice(min(T, p * rows), min(T, (p + 1) * rows)) for p in range(world)]
