@@ -43,7 +43,7 @@ own), any sequence of the two in the same order on every rank.
 
 ``push_two_shot_add_rms_norm`` fuses the same norm behind the two-shot, for sums above the
 push's sizes, on ``push_two_shot``'s memory (shared with it). Its slices are whole rows
-(``two_shot_norm_rows`` each, the last slice shorter or empty): each rank stores slice k of its
+(``two_shot_norm_rows`` each, the last slices shorter or empty): each rank stores slice k of its
 rows into rank k's scatter region; sums, adds and norms its own slice; stores the slice's new
 residual rows (not the normed ones: half the bytes) into every peer's gather region; and norms
 the peers' slices out of its own gather region. The rows cross NVLink as the plain two-shot's
@@ -274,7 +274,7 @@ def push_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Ten
 
 
 def two_shot_norm_rows(T: int, world: int) -> int:
-    """Rows of each rank's slice in ``push_two_shot_add_rms_norm`` (the last slice may hold fewer,
+    """Rows of each rank's slice in ``push_two_shot_add_rms_norm`` (the last slices may hold fewer,
     or none): the two-shot's regions must hold ``world`` slices of this many rows."""
     return -(-T // world)
 
@@ -311,7 +311,7 @@ def _push_two_shot_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr,
     for k in tl.static_range(1, WORLD):  # the peers' new residual rows, normed here
         peer = (RANK + k) % WORLD
         for j in range(pid, tl.minimum(rows, T - peer * rows), programs):
-            s = tl.load(own + slot_numel + peer * share + j * H + cols, mask=mask, cache_modifier=".cg")
+            s = tl.load(own + slot_numel + peer * share + j * H + cols, mask=mask, other=0.0, cache_modifier=".cg")
             store_rms_norm(s, w, out_ptr, residual_out_ptr, (peer * rows + j) * H + cols, mask, H, eps)
 
 
@@ -324,7 +324,7 @@ def push_two_shot_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: 
     region, and norms the peers' slices from its own. ``world`` slices must fit ``slot_numel``."""
     T, H = _check_norm_args(x, residual, weight)
     rows = two_shot_norm_rows(T, world)
-    assert world * rows * H <= slot_numel, (T, H, world, slot_numel)
+    assert world * rows * H <= slot_numel and slot_numel < 2**31, (T, H, world, slot_numel)  # int32 offsets
     _check_memory(rank, world, slot_ptrs, flag_ptrs, counts)
     out, residual_out = torch.empty_like(x), torch.empty_like(x)
     _push_two_shot_add_rms_norm_kernel[(counts.numel(),)](

@@ -113,7 +113,7 @@ class _PushState:
     def fits_norm(self, T: int, H: int) -> bool:
         """Whether ``add_rms_norm``'s rows [T, H] fit this memory's regions."""
         rows = two_shot_norm_rows(T, self.world) * self.world if self.two_shot else T
-        return rows * H <= self.slot_numel
+        return rows * H <= self.slot_numel < 2**31  # the kernels' offsets are int32
 
 
 class SymmetricAllReduce:
@@ -191,7 +191,7 @@ class SymmetricAllReduce:
         the push's up to its size, above it the two-shot's (as ``__call__`` chooses the plain
         sums), None where neither does."""
         if (residual is None or x.dim() != 2 or x.shape[1] > MAX_NORM_HIDDEN or not self.fits(x)
-                or not residual.is_contiguous()):
+                or residual.shape != x.shape or residual.dtype != x.dtype or not residual.is_contiguous()):
             return None
         if self._push is not None and x.numel() <= self._push.slot_numel:
             return self._push

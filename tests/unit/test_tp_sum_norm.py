@@ -101,11 +101,10 @@ def _sums(*, world: int, max_rows: int, push_rows: int, two_shot: bool, hidden: 
 ])
 def test_the_fused_norm_takes_the_push_then_the_two_shot(world, max_rows, push_rows, two_shot, fused):
     sums = _sums(world=world, max_rows=max_rows, push_rows=push_rows, two_shot=two_shot)
-    names = {id(sums._push): "push", id(sums._push_two_shot): "two-shot", id(None): None}
+    states = {"push": sums._push, "two-shot": sums._push_two_shot, None: None}
     for rows, want in fused.items():
         x = torch.zeros(rows, H)
-        state = sums._norm_state(x, torch.zeros(rows, H))
-        assert names[id(state)] == want, (rows, want)
+        assert sums._norm_state(x, torch.zeros(rows, H)) is states[want], (rows, want)
         assert sums.fits_norm(x, torch.zeros(rows, H)) == (want is not None)
 
 
@@ -115,6 +114,8 @@ def test_the_fused_norm_declines_what_its_kernels_cannot_take():
     assert sums.fits_norm(x, torch.zeros(4, H))
     assert not sums.fits_norm(x, None)  # nothing to add: a stage's first norm
     assert not sums.fits_norm(x, torch.zeros(H, 4).T)  # a residual not contiguous
+    assert not sums.fits_norm(x, torch.zeros(4, H, dtype=torch.bfloat16))  # a residual of another dtype
+    assert not sums.fits_norm(x, torch.zeros(2, H))  # or shape
     assert not sums.fits_norm(x.to(torch.bfloat16), torch.zeros(4, H, dtype=torch.bfloat16))  # not its dtype
     assert not sums.fits_norm(torch.zeros(4 * H), torch.zeros(4 * H))  # not rows
     wide = _sums(world=2, max_rows=64, push_rows=8, two_shot=True, hidden=32768)
