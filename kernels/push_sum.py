@@ -81,6 +81,14 @@ def exchange_flags(flag_ptrs, base, pid, count, RANK: tl.constexpr, WORLD: tl.co
 
 
 @triton.jit
+def buffer(slot_ptrs, rank, like):
+    """Rank ``rank``'s slots as this process maps them, typed as ``like``. Every rank's slots start
+    16-byte aligned (``parallel/symmetric`` checks it): told so, the compiler moves a thread's
+    elements in vector loads and stores, not one element each."""
+    return tl.multiple_of(tl.load(slot_ptrs + rank).to(like.dtype), 16)
+
+
+@triton.jit
 def next_count(counts_ptr, pid):
     """This program's sums so far, this one included (the same on every rank), stored back."""
     count = tl.load(counts_ptr + pid) + 1
@@ -116,10 +124,10 @@ def _push_sum_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, numel, sl
         v = tl.load(x_ptr + idx, mask=mask)
         for k in tl.static_range(1, WORLD):
             peer = (RANK + k) % WORLD
-            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot + RANK * slot_numel
+            dst = buffer(slot_ptrs, peer, x_ptr) + slot + RANK * slot_numel
             tl.store(dst + idx, v, mask=mask)
     exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
-    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(x_ptr.dtype.element_ty)) + slot
+    own = buffer(slot_ptrs, RANK, x_ptr) + slot
     for start in range(pid * BLOCK, numel, step):
         idx = start + offs
         mask = idx < numel
@@ -154,7 +162,6 @@ def _push_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual
     programs = tl.num_programs(0)
     count = next_count(counts_ptr, pid)
     slot = (count % 2) * WORLD * slot_numel
-    dtype = x_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     for row in range(pid, T, programs):  # rows pid, pid + programs, ...: the same on every rank
@@ -162,10 +169,10 @@ def _push_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual
         v = tl.load(x_ptr + at, mask=mask)
         for k in tl.static_range(1, WORLD):
             peer = (RANK + k) % WORLD
-            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + RANK * slot_numel
+            dst = buffer(slot_ptrs, peer, x_ptr) + slot + RANK * slot_numel
             tl.store(dst + at, v, mask=mask)
     exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
-    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(dtype)) + slot
+    own = buffer(slot_ptrs, RANK, x_ptr) + slot
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for row in range(pid, T, programs):
         at = row * H + cols
@@ -218,10 +225,10 @@ def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, shar
         for k in tl.static_range(1, WORLD):
             peer = (RANK + k) % WORLD
             v = tl.load(x_ptr + peer * share + idx, mask=mask)
-            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + RANK * share
+            dst = buffer(slot_ptrs, peer, x_ptr) + slot + RANK * share
             tl.store(dst + idx, v, mask=mask)
     exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
-    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(dtype)) + slot
+    own = buffer(slot_ptrs, RANK, x_ptr) + slot
     for start in range(pid * BLOCK, share, step):  # my slice's sum -> my output, every gather region
         idx = start + offs
         mask = idx < share
@@ -229,7 +236,7 @@ def _push_two_shot_kernel(x_ptr, out_ptr, slot_ptrs, flag_ptrs, counts_ptr, shar
         tl.store(out_ptr + RANK * share + idx, red, mask=mask)
         for k in tl.static_range(1, WORLD):
             peer = (RANK + k) % WORLD
-            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + slot_numel + RANK * share
+            dst = buffer(slot_ptrs, peer, x_ptr) + slot + slot_numel + RANK * share
             tl.store(dst + idx, red, mask=mask)
     exchange_flags(flag_ptrs, programs * WORLD, pid, count, RANK, WORLD)  # the second round's flags
     for start in range(pid * BLOCK, share, step):  # the peers' sums, out of my gather region
@@ -287,17 +294,16 @@ def _push_two_shot_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr,
     programs = tl.num_programs(0)
     count = next_count(counts_ptr, pid)
     slot = (count % 2) * 2 * slot_numel  # [scatter region | gather region]
-    dtype = x_ptr.dtype.element_ty
     share = rows * H  # a slice's elements; rank r's slice holds rows r * rows on
     cols = tl.arange(0, BLOCK_H)
     mask = cols < H
     for k in tl.static_range(1, WORLD):  # slice k of my rows -> rank k's scatter region
         peer = (RANK + k) % WORLD
-        dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + RANK * share
+        dst = buffer(slot_ptrs, peer, x_ptr) + slot + RANK * share
         for j in range(pid, tl.minimum(rows, T - peer * rows), programs):
             tl.store(dst + j * H + cols, tl.load(x_ptr + (peer * rows + j) * H + cols, mask=mask), mask=mask)
     exchange_flags(flag_ptrs, 0, pid, count, RANK, WORLD)
-    own = tl.load(slot_ptrs + RANK).to(tl.pointer_type(dtype)) + slot
+    own = buffer(slot_ptrs, RANK, x_ptr) + slot
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     for j in range(pid, tl.minimum(rows, T - RANK * rows), programs):  # my slice: sum, add, norm, share
         at = (RANK * rows + j) * H + cols
@@ -305,7 +311,7 @@ def _push_two_shot_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr,
         store_rms_norm(s, w, out_ptr, residual_out_ptr, at, mask, H, eps)
         for k in tl.static_range(1, WORLD):  # the new residual row into every peer's gather region
             peer = (RANK + k) % WORLD
-            dst = tl.load(slot_ptrs + peer).to(tl.pointer_type(dtype)) + slot + slot_numel + RANK * share
+            dst = buffer(slot_ptrs, peer, x_ptr) + slot + slot_numel + RANK * share
             tl.store(dst + j * H + cols, s, mask=mask)
     exchange_flags(flag_ptrs, programs * WORLD, pid, count, RANK, WORLD)  # the second round's flags
     for k in tl.static_range(1, WORLD):  # the peers' new residual rows, normed here

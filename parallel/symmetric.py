@@ -89,6 +89,8 @@ class _PushState:
         handles = [symm_mem.rendezvous(t, group) for t in (self.slots, self.flags)]
         for t, h in zip((self.slots, self.flags), handles):  # the kernel indexes from each buffer's start
             assert h.buffer_ptrs[self.rank] == t.data_ptr(), "symmetric buffer not at its allocation's start"
+        # the kernels vector their loads and stores on that (kernels/push_sum.buffer); allocations start on pages
+        assert all(ptr % 16 == 0 for ptr in handles[0].buffer_ptrs), handles[0].buffer_ptrs
         self.slot_ptrs, self.flag_ptrs = (torch.tensor(h.buffer_ptrs, dtype=torch.int64, device=device)
                                           for h in handles)
         torch.cuda.synchronize(device)
