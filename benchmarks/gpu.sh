@@ -26,9 +26,9 @@
 #   tpsteps   2 GPUs   one micro-batch at tp=1 and tp=2 (and tp=4 on 4 GPUs), NCCL's sums against symmetric memory, kernels by kind;
 #                      a layer's sums in line against overlapped with the other half's GEMMs (tools/tp_overlap);
 #                      the sum kernels per size: PyTorch's one-shot and two-shot against pipeserve's push and its two-shot (tools/sum_kernels)
-#   sums      2-4 GPUs the sum kernels per size (tools/sum_kernels), and a sum followed by the next residual add and
+#   sums      1-4 GPUs the sum kernels per size (tools/sum_kernels), and a sum followed by the next residual add and
 #                      RMSNorm: the forward's sum then the norm kernel against the push's and its two-shot's fused kernels,
-#                      at tp=2 (and tp=4 on 4 GPUs)
+#                      at tp=2 (and tp=4 on 4 GPUs); on any GPU first, pipeserve's tp=2 kernels with the peer simulated
 #   structured 1 GPU   plain, penalties, a quarter under a JSON schema; xgrammar against outlines-core per token
 #   profile   1 GPU    the card's cost model, which bubbles needs (kept in /tmp/gpu_runs for later invocations)
 #
@@ -353,9 +353,10 @@ tpsteps() {  # ~5 min (~8 on 4 GPUs): tools/tp_steps at each tp (start-up and gr
   [ -f "$ROOT/tools/sum_kernels.py" ] && run tpsteps-sumkernels-tp4 180 0,1,2,3 torchrun --nproc-per-node 4 -m tools.sum_kernels --out "$DIR/sumkernels-tp4.json"
 }
 
-sums() {  # ~3 min (~6 on 4 GPUs): tools/sum_kernels, plain and with --norms, at each tp
-  need_gpus 2 || return 0
+sums() {  # ~1 min on 1 GPU, ~4 on 2 (~7 on 4): tools/sum_kernels, the peer simulated, then plain and with --norms at each tp
   local tp gpus
+  grep -q -- "--simulated" "$ROOT/tools/sum_kernels.py" \
+    && run sums-simulated 120 0 python3 -m tools.sum_kernels --simulated --rows 16 128 512 1024 2048 --out "$DIR/sumsimulated.json"
   for tp in 2 4; do
     [ "$NGPU" -ge "$tp" ] || continue
     gpus=$(seq -s, 0 $((tp - 1)))

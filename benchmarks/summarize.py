@@ -401,17 +401,19 @@ def sum_kernel_tables(folder: str, names) -> tuple[list[str], dict]:
         if not r or not r["rows"]:
             continue
         kernels = list(dict.fromkeys(k for row in r["rows"].values() for k in row))
-        srows = [[f"tp={r['tp']}", rows] + [f"{row[k]['us']:.1f}{'' if row[k]['exact'] else ' WRONG'}" if k in row
-                                            else "" for k in kernels]
+        srows = [[f"tp={r['tp']}", rows] + [f"{row[k]['us']:.1f}{' WRONG' if row[k]['exact'] is False else ''}"
+                                            if k in row else "" for k in kernels]
                  for rows, row in r["rows"].items()]
         figures[name] = r
-        what = "sum + norm" if "norms" in name else "sum"
+        what = ("tp=2 kernels on 1 GPU, peer simulated" if r.get("simulated")
+                else "sum + norm" if "norms" in name else "sum")
         lines += [""] + table([what, "rows of 4096"] + [f"{k} µs" for k in kernels], srows)
     return lines, figures
 
 
 def sums(folder: str):
-    lines, figures = sum_kernel_tables(folder, ("sumkernels-tp2", "sumnorms-tp2", "sumkernels-tp4", "sumnorms-tp4"))
+    lines, figures = sum_kernel_tables(folder, ("sumsimulated", "sumkernels-tp2", "sumnorms-tp2", "sumkernels-tp4",
+                                                "sumnorms-tp4"))
     return (lines[1:] if lines else ["sums: no result (see sums-*.log)"]), figures
 
 

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m tools.sum_kernels [--rows 16 64 128 256 512 1024 2048] [--grids 64 132]
     torchrun --nproc-per-node 2 -m tools.sum_kernels --norms [--rows ...]
+    python -m tools.sum_kernels --simulated [--rows ...]
 
 Each kernel timed inside a CUDA graph of 64 back-to-back sums, as a forward replays them:
 NCCL's all-reduce (what sums larger than the symmetric buffer take), PyTorch's symmetric-memory one-shot (every peer's rows read whole) and two-shot (a slice
@@ -18,6 +19,13 @@ them: the forward's choice of sum and then ``kernels/rms_norm``'s kernel, agains
 its two-shot's fused kernels (``push_add_rms_norm``, ``push_two_shot_add_rms_norm``) where their
 memory holds the rows. At any rank count, four too, where the forward does not push: whether
 fusing would pay there. Checked as above (the new residual; the norm within bf16's rounding).
+
+``--simulated``: one GPU, no torchrun. pipeserve's kernels for two ranks with the peer simulated
+in local memory (its flags raised far ahead, so no kernel waits): each push kernel alone, then
+with the norm kernel after it, then fused. What a kernel costs besides the link (its
+instructions, its local reads and writes), where only one GPU is at hand; the stores that would
+cross NVLink go to local memory, so the figures are not those of two GPUs. Timed only (the
+results with simulated peers are checked in tests/kernels/test_push_sum.py).
 """
 
 from __future__ import annotations
@@ -45,8 +53,11 @@ def main(argv=None) -> dict:
                    help="of 4096 bf16 (8 KB a row)")
     p.add_argument("--grids", type=int, nargs="+", default=[64], help="push programs besides one per SM")
     p.add_argument("--norms", action="store_true", help="sums followed by the next residual add and RMSNorm")
+    p.add_argument("--simulated", action="store_true", help="one GPU: two ranks' kernels, the peer simulated")
     p.add_argument("--out", default=None, help="rank 0 writes the table here (JSON)")
     args = p.parse_args(argv)
+    if args.simulated:
+        return _simulated(args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", device_id=device, timeout=timedelta(minutes=3))
@@ -99,18 +110,25 @@ def _report(table: dict, names: list[str], out: str | None, device: torch.device
     if rank == 0:
         print(f"\n{torch.cuda.get_device_name()}; tp={world}; {what}, 64 in a CUDA graph"
               f"{'' if ok_all.item() else '; WRONG results on some rank (marked * on rank 0)'}")
-        print("| rows of 4096 (KB) | " + " | ".join(names) + " |")
-        print("|---" * (len(names) + 1) + "|")
-        for rows, row in table.items():
-            cells = [f"{row[n]['us']:.1f}{'' if row[n]['exact'] else '*'}" if n in row else "" for n in names]
-            print(f"| {rows} ({rows * HIDDEN * 2 // 1024}) | " + " | ".join(cells) + " |")
-        if out:
-            with open(out, "w") as f:
-                json.dump({"tp": world, "card": torch.cuda.get_device_name(), "all_exact": bool(ok_all.item()),
-                           "rows": table}, f, indent=1)
+        _print_table(table, names)
+        _write(out, world, table, all_exact=bool(ok_all.item()))
     dist.barrier()
     dist.destroy_process_group()
     return table
+
+
+def _print_table(table: dict, names: list[str]) -> None:
+    print("| rows of 4096 (KB) | " + " | ".join(names) + " |")
+    print("|---" * (len(names) + 1) + "|")
+    for rows, row in table.items():
+        cells = [f"{row[n]['us']:.1f}{'*' if row[n]['exact'] is False else ''}" if n in row else "" for n in names]
+        print(f"| {rows} ({rows * HIDDEN * 2 // 1024}) | " + " | ".join(cells) + " |")
+
+
+def _write(out: str | None, tp: int, table: dict, **more) -> None:
+    if out:
+        with open(out, "w") as f:
+            json.dump({"tp": tp, "card": torch.cuda.get_device_name(), **more, "rows": table}, f, indent=1)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -152,6 +170,50 @@ def _norms(args, reduce: SymmetricAllReduce, group, max_numel: int, device: torc
         table[rows] = row
     names = ["sum, then norm", "push, norm fused", "two-shot, norm fused"]
     return _report(table, names, args.out, device, "µs a sum + residual add + RMSNorm")
+
+
+def _simulated(args) -> dict:
+    """``--simulated``: µs a call of each of pipeserve's kernels for two ranks on this one GPU."""
+    from pipeserve.kernels import push_sum
+
+    torch.cuda.set_device(0)
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    kept = []  # the simulated peer's memory, alive while the kernels hold its address
+
+    def memory(numel: int, two_shot: bool) -> dict:
+        regions, rounds = (2, 2) if two_shot else (2, 1)
+        slots = [torch.zeros(2 * regions * numel, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
+        flags = [torch.full((rounds * programs * 2,), 1 << 40, dtype=torch.int64, device="cuda") for _ in range(2)]
+        kept.append((slots, flags))
+        return dict(rank=0, world=2, slot_numel=numel, counts=torch.zeros(programs, dtype=torch.int64, device="cuda"),
+                    slot_ptrs=torch.tensor([t.data_ptr() for t in slots], device="cuda"),
+                    flag_ptrs=torch.tensor([t.data_ptr() for t in flags], device="cuda"))
+
+    push = memory(min(max(args.rows), push_max_bytes(2) // 2 // HIDDEN) * HIDDEN, False)
+    two_shot = memory(max(args.rows) * HIDDEN, True)
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16).cuda()
+    table = {}
+    for rows in args.rows:
+        x, residual = (torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
+        out = torch.empty_like(x)
+        kernels = {}
+        for name, on, plain, fused in (("push", push, push_sum.push_sum, push_sum.push_add_rms_norm),
+                                       ("two-shot", two_shot, push_sum.push_two_shot,
+                                        push_sum.push_two_shot_add_rms_norm)):
+            if x.numel() > on["slot_numel"]:
+                continue
+            kernels[name] = lambda t, on=on, plain=plain: plain(t, out, **on)
+            kernels[f"{name}, then norm"] = lambda t, on=on, plain=plain: add_rms_norm(plain(t, out, **on), residual,
+                                                                                       weight, 1e-5)
+            kernels[f"{name}, norm fused"] = lambda t, on=on, fused=fused: fused(t, residual, weight, 1e-5, **on)
+        table[rows] = {name: {"us": graph_us(fn, x), "exact": None} for name, fn in kernels.items()}
+    names = list(dict.fromkeys(n for row in table.values() for n in row))
+    print(f"\n{torch.cuda.get_device_name()}; two ranks' kernels on one GPU, the peer simulated; µs a call, "
+          "64 in a CUDA graph")
+    _print_table(table, names)
+    _write(args.out, 2, table, simulated=True)
+    return table
 
 
 if __name__ == "__main__":
