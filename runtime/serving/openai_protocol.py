@@ -105,7 +105,7 @@ class _SamplingRequest(_Strict):
     prompt_logprobs: int | None = None
     """vLLM's: return each prompt token's logprob and this many top alternatives at its
     position (``prompt_logprobs`` in the response; not with ``stream``)."""
-    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and their newer
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and its
     # structured_outputs object; at most one constraint per request.
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None

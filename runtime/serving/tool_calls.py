@@ -10,14 +10,14 @@ One streaming parser per format serves both answers: the non-streamed one feeds 
 at once, and every decision depends on the text read so far, never on how it was split, so a
 stream's pieces always add up to the non-streamed message.
 
-A tool call begins (``ToolCall``, its name and no arguments yet) once the output holds its head,
+A tool call begins (``ToolCall``, its name, its arguments to follow) once the output holds its head,
 ``{"name": "<name>", "arguments": `` followed by ``{`` (any JSON whitespace between; Llama 3
 may write "parameters"), and its arguments then come as the model writes them
 (``MoreArguments``). Text is held back only while it may still become a tool call: a partial
 ``<tool_call>`` tag; the start of a Llama 3 or "required" output, and what follows a tool call there
-(a separator); a head not yet whole (so a name always goes out whole); an object without a head
+(a separator); an incomplete head (so a name always goes out whole); an object without a head
 until it ends (Hermes: until ``</tool_call>``), since a tool call object whose name is not its first
-member is a tool call all the same, sent whole; inside the arguments, only a token not yet whole (a
+member is a tool call all the same, sent whole; inside the arguments, only an incomplete token (a
 number or literal until the character after it, a string escape). An object that is not a tool call
 (bad JSON, no name, no arguments object) is content, as written. Text around the tool calls is
 content, except whitespace next to a tool call; text still held when the output ends (cut inside a
@@ -105,7 +105,7 @@ class _JsonReader:
 
     def __init__(self, *, in_object: bool = False) -> None:
         # in_object: start inside an object, after one of its values (to read the rest of it)
-        self._open: list[str] = ["{"] if in_object else []  # the containers not yet closed
+        self._open: list[str] = ["{"] if in_object else []  # the open containers
         # What comes next: "value"; "{" or "[" (a container's first value or key, or its close);
         # "key"; ":"; "," (a separator or a close); "string" (inside one; a key's if _key).
         self._next = "," if in_object else "value"
@@ -161,7 +161,7 @@ class _JsonReader:
             else:
                 self._ended()
             return '"', pos + 1
-        if not _ESCAPE_START.fullmatch(text, pos):  # else an escape not yet whole
+        if not _ESCAPE_START.fullmatch(text, pos):  # else an incomplete escape
             self.broken = True
         return None
 
@@ -243,7 +243,7 @@ class ToolCallParser(abc.ABC):
 
     def __init__(self) -> None:
         self._space = ""  # whitespace held back: dropped next to a tool call, kept before more content
-        self._buffer = ""  # text not yet read
+        self._buffer = ""  # unread text
         self._json: _JsonReader | None = None  # a tool call's arguments, or the rest of its object
         self.num_calls = 0
 
@@ -369,13 +369,13 @@ class HermesParser(ToolCallParser):
 
 class _CallList(ToolCallParser):
     """Tool calls written as JSON objects one after another: the first after one of ``FIRST``, each
-    next after one of ``LATER``, then ``CLOSE`` (where the format has one). The first text that
+    other after one of ``BETWEEN``, then ``CLOSE`` (where the format has one). The first text that
     does not go on with tool calls ends them: from there on, the output is content as written. After
     a tool call's arguments, the rest of its object is dropped; once a tool call's JSON breaks, the rest
     of the output is."""
 
     FIRST: tuple[str, ...]
-    LATER: tuple[str, ...]
+    BETWEEN: tuple[str, ...]
     CLOSE: str | None
     KEYS: tuple[str, ...]
 
@@ -412,11 +412,11 @@ class _CallList(ToolCallParser):
 
     def _lead(self, out: list[Piece]) -> bool:
         """What follows the output's start or a tool call: another tool call (its head, or an object
-        without one), the close, or content; or nothing yet."""
+        without one), the close, or content; or nothing."""
         text = self._buffer
         rest = text[_SPACE.match(text).end():]
         wait, start = False, None
-        for lead in self.LATER if self.num_calls else self.FIRST:
+        for lead in self.BETWEEN if self.num_calls else self.FIRST:
             if not rest.startswith(lead):
                 wait |= lead.startswith(rest)
                 continue
@@ -466,14 +466,14 @@ class Llama3JsonParser(_CallList):
     tokens are kept) with ``{"name": ..., "parameters": {...}}`` ("arguments" too), several
     separated by ";". An output that does not start with a tool call is content."""
 
-    FIRST, LATER, CLOSE = ("<|python_tag|>", ""), (";",), None
+    FIRST, BETWEEN, CLOSE = ("<|python_tag|>", ""), (";",), None
     KEYS = ("parameters", "arguments")
 
 
 class _Required(_CallList):
     """The output of ``required_schema``: ``[{"name": ..., "parameters": {...}}, ...]``."""
 
-    FIRST, LATER, CLOSE = ("[",), (",",), "]"
+    FIRST, BETWEEN, CLOSE = ("[",), (",",), "]"
     KEYS = ("parameters",)
 
 
@@ -537,7 +537,7 @@ class ChoiceToolCalls:
     """One choice's output read for tool calls, by ``tool_choice``: "auto" (``parser``), "required"
     or "named" (the constrained JSON). ``feed``/``finish`` give OpenAI's stream deltas (content
     or ``tool_calls``: a tool call's first delta has its index, id, type, name and arguments so far;
-    later ones its index and more arguments); ``message`` the non-streamed message's fields."""
+    the others its index and more arguments); ``message`` the non-streamed message's fields."""
 
     def __init__(self, tool_choice: str, *, parser: str | None = None, function: str | None = None,
                  parallel: bool = True) -> None:
