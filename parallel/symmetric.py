@@ -209,8 +209,9 @@ class SymmetricAllReduce:
                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(sum + residual) * weight, sum + residual), the sum of ``x`` over the group, in
         one kernel: the push's up to ``push_max_numel``, the push's two-shot's above
-        (``fits_norm(x, residual)`` must hold)."""
-        return self._norm_state(x, residual).add_rms_norm(x, residual, weight, eps)
+        (``fits_norm(x, residual)`` must hold: the size alone picks the kernel here, unchecked again)."""
+        small = self._push is not None and x.numel() <= self._push.slot_numel
+        return (self._push if small else self._push_two_shot).add_rms_norm(x, residual, weight, eps)
 
     def one_shot(self, x: torch.Tensor) -> torch.Tensor:
         """The sum with every peer's rows read whole (``x`` copied into the buffer), at any size
